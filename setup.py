@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="qstate",
+    version="0.1.0",
+    description=(
+        "Quantized (8-bit, 4-bit, FP8) optimizer state as tensor subclasses "
+        "that DTensor and FSDP2 run natively"
+    ),
+    packages=find_packages(include=["qstate", "qstate.*"]),
+    python_requires=">=3.10",
+    # Minimum supported torch: 2.6 (public torch.distributed.tensor and
+    # torch.distributed.fsdp.fully_shard). CI runs 2.13.0.
+    install_requires=["torch>=2.6"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "expecttest", "scikit-learn"],
+        "bench": ["matplotlib"],
+    },
+)
