@@ -1,0 +1,27 @@
+"""qstate: quantized optimizer state that DTensor and FSDP2 run natively.
+
+Public API: :class:`QuantizedState`, :func:`quantize`, :func:`zeros_like`,
+``QuantizedState.dequantize()``, ``QuantizedState.storage_nbytes()``, the
+format registry :mod:`qstate.formats`, the op table :mod:`qstate.ops` and the
+DTensor sharding rules :mod:`qstate.dtensor_rules`.
+
+Importing qstate (1) registers :class:`QuantizedState` and its rebuild
+function as ``torch.load(weights_only=True)`` safe globals and (2) installs
+the DTensor sharding rules (``qstate.dtensor_rules.uninstall()`` undoes it).
+"""
+
+import torch
+
+from . import formats
+from ._api import quantize, row_layout, zeros_like
+from ._state import QuantizedState, _rebuild_quantized_state
+from . import ops  # noqa: F401  (fills the dispatch table)
+from . import dtensor_rules
+
+__all__ = ["QuantizedState", "quantize", "zeros_like", "row_layout", "formats", "ops", "dtensor_rules", "SAFE_GLOBALS"]
+__version__ = "0.1.0"
+
+#: what ``import qstate`` adds to ``torch.serialization``'s safe globals
+SAFE_GLOBALS = [QuantizedState, _rebuild_quantized_state]
+torch.serialization.add_safe_globals(SAFE_GLOBALS)
+dtensor_rules.install()

@@ -1,0 +1,100 @@
+"""Building quantized states: :func:`quantize`, :func:`zeros_like` and the row layout."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ._state import APPEARANCE_DTYPES, QuantizedState
+from .formats import BlockFormat, get_format
+
+__all__ = ["quantize", "zeros_like", "row_layout", "encode_like", "zero_parts"]
+
+
+def row_layout(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, row_len)`` of a new state: one row per dim-0 index if ``ndim >= 2``, else one row."""
+    shape = tuple(shape)
+    if len(shape) >= 2:
+        return shape[0], math.prod(shape[1:])
+    return 1, math.prod(shape)
+
+
+def _resolve(fmt: str, block_size: Optional[int]) -> tuple[BlockFormat, int]:
+    f = get_format(fmt)
+    bs = f.default_block_size if block_size is None else block_size
+    f.check_block_size(bs)
+    return f, bs
+
+
+def _check_appearance(dtype: torch.dtype, what: str) -> None:
+    if dtype not in APPEARANCE_DTYPES:
+        raise TypeError(
+            f"{what}: a quantized state appears as torch.float32 or torch.bfloat16, got {dtype}"
+        )
+
+
+def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size: int,
+                 signed: bool, qmap: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    flat = x.reshape(-1)
+    pad = rows * row_len - flat.numel()
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return f.encode(flat.view(rows, row_len), block_size, signed, qmap)
+
+
+def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None) -> Tensor:
+    """Quantize ``x`` into a :class:`QuantizedState` of format ``fmt``.
+
+    The appearance dtype is ``x.dtype`` (float32 or bfloat16). ``x`` may be a
+    DTensor: the result is then a DTensor over quantized local shards.
+    """
+    from .distributed import is_dtensor, quantize_dtensor
+
+    if is_dtensor(x):
+        return quantize_dtensor(x, fmt, signed=signed, block_size=block_size)
+    if isinstance(x, QuantizedState):
+        raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
+    _check_appearance(x.dtype, "quantize")
+    f, bs = _resolve(fmt, block_size)
+    rows, row_len = row_layout(x.shape)
+    qmap = f.make_qmap(signed, x.device)
+    codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap)
+    return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
+                          row_len=row_len, shape=x.shape, dtype=x.dtype)
+
+
+def zero_parts(f: BlockFormat, rows: int, row_len: int, block_size: int, signed: bool,
+               device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(codes, scale)`` of ``rows x row_len`` exact zeros."""
+    z = f.zero_code(signed)
+    byte = z | (z << 4) if f.bits == 4 else z
+    codes = torch.full((rows, f.packed_width(row_len)), byte, dtype=torch.uint8, device=device)
+    scale = torch.zeros((rows, -(-row_len // block_size)), dtype=torch.float32, device=device)
+    return codes, scale
+
+
+def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None,
+               dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A zero :class:`QuantizedState` with ``p``'s shape, device and (appearance) dtype.
+
+    ``p`` may be a DTensor: the result is a DTensor with the same mesh and placements.
+    """
+    from .distributed import is_dtensor, zeros_like_dtensor
+
+    if is_dtensor(p):
+        return zeros_like_dtensor(p, fmt, signed=signed, block_size=block_size, dtype=dtype)
+    dtype = dtype or p.dtype
+    _check_appearance(dtype, "zeros_like")
+    f, bs = _resolve(fmt, block_size)
+    rows, row_len = row_layout(p.shape)
+    codes, scale = zero_parts(f, rows, row_len, bs, signed, p.device)
+    return QuantizedState(codes, scale, f.make_qmap(signed, p.device), format=f.name, signed=signed,
+                          block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype)
+
+
+def encode_like(q: QuantizedState, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout -> ``(codes, scale)``."""
+    return _encode_rows(q.fmt, x.to(q.codes.device), q.rows, q.row_len, q.block_size, q.signed, q.qmap)

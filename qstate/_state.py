@@ -1,0 +1,187 @@
+"""``QuantizedState``: a tensor subclass holding blockwise-quantized values.
+
+Storage rules (invariants every op keeps)
+-----------------------------------------
+The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
+``row_len`` (``L``) elements, each row quantized on its own by ``format``
+(see :mod:`qstate.formats`), so **blocks never cross rows**:
+
+* ``codes``: ``uint8 [R, format.packed_width(L)]``; ``scale``: ``float32
+  [R, ceil(L / block_size)]``; ``qmap``: ``float32 [2**bits]`` for formats
+  with a code map, else absent.
+* The flattened logical tensor is the concatenation of the rows, cut to
+  ``numel``: only the last row may hold padding, ``0 <= R * L - numel < L``
+  (or ``numel == 0``).
+* A tensor with ``ndim >= 2`` has ``R == shape[0]`` and no padding, so slicing,
+  concatenating, padding and all-gathering along dim 0 at *any* row boundary
+  moves whole rows and never requantizes (what DTensor ``Shard(0)`` and FSDP2
+  need, even and uneven). A 1-D tensor starts as one row; gathering 1-D shards
+  gives one row per shard (exact), and a 1-D slice must start on a block (row
+  ``R == 1``) or row (``R > 1``) boundary.
+* ``block_size``, ``format`` and ``signed`` are fixed at construction and never
+  recomputed; the appearance ``dtype`` (``float32`` or ``bfloat16``) is kept by
+  every op that returns a ``QuantizedState``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .formats import BlockFormat, get_format
+
+__all__ = ["QuantizedState", "APPEARANCE_DTYPES"]
+
+APPEARANCE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class QuantizedState(Tensor):
+    """Blockwise-quantized tensor. Build with :func:`qstate.quantize` or :func:`qstate.zeros_like`."""
+
+    codes: Tensor
+    scale: Tensor
+    qmap: Optional[Tensor]
+    format: str
+    signed: bool
+    block_size: int
+    row_len: int
+
+    @staticmethod
+    def __new__(
+        cls,
+        codes: Tensor,
+        scale: Tensor,
+        qmap: Optional[Tensor],
+        *,
+        format: str,
+        signed: bool,
+        block_size: int,
+        row_len: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        requires_grad: bool = False,
+    ) -> "QuantizedState":
+        return Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=codes.device, requires_grad=requires_grad
+        )
+
+    def __init__(
+        self,
+        codes: Tensor,
+        scale: Tensor,
+        qmap: Optional[Tensor],
+        *,
+        format: str,
+        signed: bool,
+        block_size: int,
+        row_len: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        requires_grad: bool = False,
+    ) -> None:
+        self.codes = codes
+        self.scale = scale
+        self.qmap = qmap
+        self.format = format
+        self.signed = bool(signed)
+        self.block_size = int(block_size)
+        self.row_len = int(row_len)
+
+    # -- structure --------------------------------------------------------
+    @property
+    def fmt(self) -> BlockFormat:
+        return get_format(self.format)
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        names = ["codes", "scale"] if self.qmap is None else ["codes", "scale", "qmap"]
+        return names, (self.format, self.signed, self.block_size, self.row_len, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride) -> "QuantizedState":
+        fmt, signed, block_size, row_len, dtype = ctx
+        return cls(
+            inner["codes"], inner["scale"], inner.get("qmap"),
+            format=fmt, signed=signed, block_size=block_size, row_len=row_len,
+            shape=outer_size, dtype=dtype,
+        )
+
+    def with_parts(
+        self,
+        codes: Tensor,
+        scale: Tensor,
+        *,
+        shape: Sequence[int],
+        row_len: Optional[int] = None,
+        qmap: Optional[Tensor] = None,
+    ) -> "QuantizedState":
+        """A state like ``self`` (format, signedness, block size, dtype) over new parts."""
+        return QuantizedState(
+            codes, scale, self.qmap if qmap is None else qmap,
+            format=self.format, signed=self.signed, block_size=self.block_size,
+            row_len=self.row_len if row_len is None else row_len,
+            shape=shape, dtype=self.dtype,
+        )
+
+    def describe(self) -> str:
+        """``format/signedness/block size/dtype/shape`` for error messages."""
+        kind = "signed" if self.signed else "unsigned"
+        return (
+            f"{self.format} {kind} block_size={self.block_size} dtype={self.dtype} "
+            f"shape={tuple(self.shape)} device={self.device}"
+        )
+
+    # -- public API -------------------------------------------------------
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The values as a plain tensor of ``dtype`` (default: the appearance dtype)."""
+        values = self.fmt.decode(self.codes, self.scale, self.row_len, self.block_size, self.qmap)
+        flat = values.reshape(-1)
+        numel = math.prod(self.shape)
+        if flat.numel() != numel:
+            flat = flat[:numel]
+        return flat.view(self.shape).to(dtype or self.dtype)
+
+    def storage_nbytes(self) -> int:
+        """Bytes held by the inner tensors (codes, scales, map)."""
+        parts = [self.codes, self.scale] + ([] if self.qmap is None else [self.qmap])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        kind = "signed" if self.signed else "unsigned"
+        return (
+            f"QuantizedState(format='{self.format}', {kind}, block_size={self.block_size}, "
+            f"shape={tuple(self.shape)}, dtype={self.dtype}, device='{self.device}')"
+        )
+
+    def __reduce_ex__(self, protocol: int):
+        # Rebuilt from its parts so that map_location moves the state too.
+        return (
+            _rebuild_quantized_state,
+            (self.codes, self.scale, self.qmap, self.format, self.signed, self.block_size,
+             self.row_len, tuple(self.shape), self.dtype),
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .ops import dispatch
+
+        return dispatch(func, types, args, kwargs or {})
+
+
+def _rebuild_quantized_state(
+    codes: Tensor, scale: Tensor, qmap: Optional[Tensor], format: str, signed: bool,
+    block_size: int, row_len: int, shape: tuple, dtype: torch.dtype,
+) -> QuantizedState:
+    """Unpickling entry point (registered as a ``torch.load(weights_only=True)`` safe global)."""
+    return QuantizedState(
+        codes, scale, qmap, format=format, signed=signed, block_size=block_size,
+        row_len=row_len, shape=shape, dtype=dtype,
+    )

@@ -1,0 +1,155 @@
+"""Blockwise quantization formats: encode/decode only.
+
+Storage rules shared by every format
+------------------------------------
+A format quantizes a 2-D float tensor ``x`` of shape ``[R, L]`` ("rows") in
+blocks of ``block_size`` consecutive elements of one row; blocks never cross
+rows and the last block of a row may be partial. It returns
+
+* ``codes``: ``uint8`` ``[R, ceil(L * bits / 8)]``; with ``bits == 4`` element
+  ``2j`` of a row sits in the low nibble of byte ``j`` and element ``2j + 1``
+  in the high nibble (an odd row ends with a zero high nibble);
+* ``scale``: ``float32`` ``[R, ceil(L / block_size)]``; a block decodes as
+  ``code_value(codes) * scale`` where ``scale = absmax(block) / max_code``.
+
+A block of zeros has ``scale == 0`` and decodes to exact zeros. Every format
+holds the value 0 exactly (its *zero code*), so padding with zero codes adds
+exact zeros. Unsigned formats never decode a positive input as 0: a positive
+value below the smallest positive code rounds *up* to that code, so a second
+moment ``v > 0`` never comes back as 0 (the cause of exploding Adam updates
+with other 8-bit optimizers). Unsigned formats expect ``x >= 0``; negative
+inputs encode as 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockFormat"]
+
+
+class BlockFormat:
+    """Base of all formats: blockwise absmax scaling around a per-format code.
+
+    Subclasses define :meth:`code_of` (normalized value -> code index/bits),
+    :meth:`value_of` (codes -> normalized values), :attr:`max_code`, and
+    optionally a lookup map :meth:`make_qmap`.
+    """
+
+    #: registry name, e.g. ``"8bit"``
+    name: str = ""
+    #: bits per code (8 or 4)
+    bits: int = 8
+    #: default block size
+    default_block_size: int = 256
+    #: largest normalized code magnitude: ``scale = absmax / max_code``
+    max_code: float = 1.0
+
+    # -- code map -----------------------------------------------------
+    def make_qmap(self, signed: bool, device: torch.device | str | None = None) -> Optional[Tensor]:
+        """The sorted code map (``float32 [2**bits]``), or None if the format has none."""
+        return None
+
+    def zero_code(self, signed: bool) -> int:
+        """The code (``uint8`` value of one element) that decodes to exactly 0."""
+        qmap = self.make_qmap(signed)
+        if qmap is None:
+            return 0
+        return int((qmap == 0).nonzero()[0, 0])
+
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
+        """Codes (``uint8``, one per element) of normalized values ``y``."""
+        raise NotImplementedError
+
+    def value_of(self, codes: Tensor, qmap: Optional[Tensor]) -> Tensor:
+        """Normalized ``float32`` values of unpacked ``uint8`` codes."""
+        raise NotImplementedError
+
+    def max_abs_error(self, x: Tensor, scale_per_element: Tensor, signed: bool) -> Tensor:
+        """Elementwise worst-case ``|x - decode(encode(x))|`` (for tests and docs)."""
+        raise NotImplementedError
+
+    # -- block handling (shared) --------------------------------------
+    def check_block_size(self, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"format '{self.name}': block_size must be a positive int, got {block_size!r}")
+        if self.bits == 4 and block_size % 2:
+            raise ValueError(
+                f"format '{self.name}': block_size must be even (two codes per byte), got {block_size}"
+            )
+
+    def packed_width(self, row_len: int) -> int:
+        """Bytes of ``codes`` per row of ``row_len`` elements."""
+        return (row_len * self.bits + 7) // 8
+
+    def encode(
+        self, x: Tensor, block_size: int, signed: bool, qmap: Optional[Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """Quantize rows ``x`` (``[R, L]``, any float dtype) -> ``(codes, scale)``."""
+        rows, row_len = x.shape
+        nblocks = -(-row_len // block_size)
+        x = x.float()
+        padded = nblocks * block_size
+        if padded != row_len:
+            x = torch.nn.functional.pad(x, (0, padded - row_len))
+        blocks = x.view(rows, nblocks, block_size)
+        absmax = blocks.abs().amax(dim=-1)
+        scale = absmax / self.max_code if self.max_code != 1.0 else absmax
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        y = blocks / safe.unsqueeze(-1)
+        codes = self.code_of(y, signed, qmap).view(rows, padded)[:, :row_len]
+        return self.pack(codes), scale
+
+    def decode(
+        self, codes: Tensor, scale: Tensor, row_len: int, block_size: int, qmap: Optional[Tensor]
+    ) -> Tensor:
+        """Dequantize ``(codes, scale)`` -> ``float32 [R, row_len]``."""
+        rows = codes.shape[0]
+        nblocks = scale.shape[1]
+        padded = nblocks * block_size
+        flat = self.unpack(codes, row_len)
+        if padded != row_len:
+            flat = torch.nn.functional.pad(flat, (0, padded - row_len))
+        values = self.value_of(flat, qmap).view(rows, nblocks, block_size)
+        out = (values * scale.unsqueeze(-1)).view(rows, padded)
+        return out[:, :row_len]
+
+    # -- 4-bit packing --------------------------------------------------
+    def pack(self, codes: Tensor) -> Tensor:
+        """Pack ``uint8 [R, L]`` codes into ``[R, packed_width(L)]`` bytes."""
+        if self.bits == 8:
+            return codes.contiguous()
+        rows, row_len = codes.shape
+        if row_len % 2:
+            codes = torch.nn.functional.pad(codes, (0, 1))
+        pairs = codes.view(rows, -1, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+    def unpack(self, codes: Tensor, row_len: int) -> Tensor:
+        """Inverse of :meth:`pack`: ``[R, packed_width(L)]`` -> ``uint8 [R, L]``."""
+        if self.bits == 8:
+            return codes
+        rows = codes.shape[0]
+        both = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(rows, -1)
+        return both[:, :row_len]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, default_block_size={self.default_block_size})"
+
+
+def nearest_code(y: Tensor, qmap: Tensor) -> Tensor:
+    """Index of the nearest entry of the sorted ``qmap`` for each ``y``.
+
+    Equal to ``(y[..., None] - qmap).abs().argmin(-1)`` (ties go to the lower
+    index) without materializing the ``[..., len(qmap)]`` distance tensor.
+    """
+    hi = torch.searchsorted(qmap, y.contiguous()).clamp_(1, qmap.numel() - 1)
+    lo = hi - 1
+    take_lo = (y - qmap[lo]).abs() <= (qmap[hi] - y).abs()
+    return torch.where(take_lo, lo, hi)
+
+
+__all__ += ["nearest_code"]

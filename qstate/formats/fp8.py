@@ -1,0 +1,45 @@
+"""``fp8``: blockwise scale + ``float8_e4m3fn`` codes (stored as their ``uint8`` bits).
+
+``scale = absmax / 448`` (448 is e4m3fn's largest finite value), so a block's
+largest element is exact and the others keep 3 mantissa bits
+(relative error <= 2**-4), down to the subnormal step ``2**-9 * scale``.
+Unsigned states round a positive value below that step up to it, never to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._base import BlockFormat
+
+__all__ = ["Float8Format", "FP8"]
+
+_E4M3 = torch.float8_e4m3fn
+_SMALLEST_SUBNORMAL_BITS = 1  # 0x01 == 2**-9
+
+
+class Float8Format(BlockFormat):
+    name = "fp8"
+    bits = 8
+    default_block_size = 256
+    max_code = float(torch.finfo(_E4M3).max)
+
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
+        codes = y.to(_E4M3).view(torch.uint8)
+        if not signed:
+            codes = torch.where((codes == 0) & (y > 0), _SMALLEST_SUBNORMAL_BITS, codes)
+            codes = torch.where(y < 0, 0, codes).to(torch.uint8)
+        return codes
+
+    def value_of(self, codes: Tensor, qmap: Optional[Tensor]) -> Tensor:
+        return codes.view(_E4M3).float()
+
+    def max_abs_error(self, x: Tensor, scale_per_element: Tensor, signed: bool) -> Tensor:
+        subnormal = scale_per_element * 2.0**-9
+        return x.abs() * 2.0**-4 + subnormal
+
+
+FP8 = Float8Format()

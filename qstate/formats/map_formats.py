@@ -1,0 +1,102 @@
+"""Formats whose codes index a sorted 16- or 256-entry map (``8bit``, ``4bit``).
+
+Maps
+----
+* ``8bit`` signed / unsigned: the dynamic-tree map of bitsandbytes and of the
+  8-bit optimizers paper (``create_dynamic_map(signed, 7, 8)``): a decimal
+  exponent (1e-6 .. 1) plus a linear fraction, with 0 and 1.0 exact. Codes
+  equal bitsandbytes' ``quantize_blockwise`` codes for the same map.
+* ``4bit`` signed: the 16-entry dynamic map (``create_dynamic_map(True, 3, 4)``)
+  used for first moments by "Memory Efficient Optimizers with 4-bit States".
+* ``4bit`` unsigned: ``linspace(0, 1, 16)``: linear, as that paper advises for
+  second moments, but keeping an exact 0 (for padding and all-zero blocks);
+  a positive value never decodes as 0 (see ``_base``): the smallest positive
+  code is 1/15 of the block's absmax, so ``sqrt(v)`` is never underestimated
+  by more than the linear step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._base import BlockFormat, nearest_code
+
+__all__ = ["MapFormat", "dynamic_map", "EIGHT_BIT", "FOUR_BIT"]
+
+
+def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
+    """The dynamic (tree) quantization map of bitsandbytes, sorted, ``float32``."""
+    data: list[float] = []
+    non_sign_bits = total_bits - 1
+    additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    for i in range(max_exponent_bits):
+        fraction_items = (
+            2 ** (i + non_sign_bits - max_exponent_bits) + 1
+            if signed
+            else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        )
+        boundaries = torch.linspace(0.1, 1, fraction_items, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+    if additional_items > 0:
+        boundaries = torch.linspace(0.1, 1, additional_items + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-(max_exponent_bits - 1) + max_exponent_bits - 1)) * means).tolist()
+    data.append(0.0)
+    data.append(1.0)
+    data += [0.0] * (2**total_bits - len(data))
+    data.sort()
+    return torch.tensor(data, dtype=torch.float32)
+
+
+class MapFormat(BlockFormat):
+    """Blockwise absmax scaling + nearest entry of a sorted code map."""
+
+    max_code = 1.0
+
+    def __init__(self, name: str, bits: int, default_block_size: int, signed_map: Tensor, unsigned_map: Tensor):
+        self.name = name
+        self.bits = bits
+        self.default_block_size = default_block_size
+        for m in (signed_map, unsigned_map):
+            assert m.numel() == 2**bits and bool((m.diff() >= 0).all()) and bool((m == 0).any())
+        self._maps = {True: signed_map, False: unsigned_map}
+
+    def make_qmap(self, signed: bool, device: torch.device | str | None = None) -> Optional[Tensor]:
+        return self._maps[bool(signed)].to(device)
+
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
+        assert qmap is not None
+        idx = nearest_code(y, qmap)
+        if not signed:
+            # positive values never decode as 0: bump the zero code to the next (smallest positive) one
+            zero = self.zero_code(False)
+            idx = torch.where((idx == zero) & (y > 0), idx + 1, idx)
+        return idx.to(torch.uint8)
+
+    def value_of(self, codes: Tensor, qmap: Optional[Tensor]) -> Tensor:
+        assert qmap is not None
+        return qmap[codes.long()]
+
+    def max_abs_error(self, x: Tensor, scale_per_element: Tensor, signed: bool) -> Tensor:
+        qmap = self._maps[bool(signed)].double()
+        lo = -1.0 if signed else 0.0
+        edges = torch.cat([torch.tensor([lo], dtype=torch.float64), qmap, torch.tensor([1.0], dtype=torch.float64)])
+        gaps = edges.diff()
+        worst = float(gaps[1:-1].max()) / 2
+        worst = max(worst, float(gaps[0]), float(gaps[-1]))
+        if not signed:  # round-up of tiny positives costs up to the whole first gap
+            zero = self.zero_code(False)
+            worst = max(worst, float(qmap[zero + 1] - qmap[zero]))
+        return scale_per_element * worst
+
+
+EIGHT_BIT = MapFormat("8bit", 8, 256, dynamic_map(True, 7, 8), dynamic_map(False, 7, 8))
+FOUR_BIT = MapFormat("4bit", 4, 128, dynamic_map(True, 3, 4), torch.linspace(0, 1, 16))

@@ -1,0 +1,56 @@
+"""The ``__torch_dispatch__`` table of :class:`~qstate.QuantizedState`.
+
+Each entry is one function per aten / c10d op overload, added with
+:func:`register`. An op with no entry raises ``NotImplementedError`` naming the
+op and its argument types: there is no silent dequantize fallback. Ops that
+*read* a state as numbers (``mul``, ``sqrt``, ...) are registered explicitly
+and return plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._ops import OpOverload
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["DISPATCH_TABLE", "register", "dispatch", "registered_ops"]
+
+Handler = Callable[[OpOverload, tuple, dict], Any]
+
+#: op overload -> handler(func, args, kwargs)
+DISPATCH_TABLE: dict[OpOverload, Handler] = {}
+
+
+def register(*ops: OpOverload) -> Callable[[Handler], Handler]:
+    """Decorator: make the function the handler of every overload in ``ops``."""
+
+    def deco(fn: Handler) -> Handler:
+        for op in ops:
+            if op in DISPATCH_TABLE:
+                raise RuntimeError(f"{op} already has a QuantizedState handler ({DISPATCH_TABLE[op].__name__})")
+            DISPATCH_TABLE[op] = fn
+        return fn
+
+    return deco
+
+
+def registered_ops() -> list[str]:
+    """Names of all ops a QuantizedState handles, sorted."""
+    return sorted(str(op) for op in DISPATCH_TABLE)
+
+
+def _type_names(args: tuple, kwargs: dict) -> str:
+    leaves, _ = tree_flatten((args, kwargs))
+    return ", ".join(type(x).__name__ for x in leaves if isinstance(x, torch.Tensor))
+
+
+def dispatch(func: OpOverload, types: tuple, args: tuple, kwargs: dict) -> Any:
+    handler = DISPATCH_TABLE.get(func)
+    if handler is None:
+        raise NotImplementedError(
+            f"QuantizedState does not support {func} (tensor arguments: {_type_names(args, kwargs)}); "
+            "dequantize() first, or add a handler in qstate/ops (see CONTRIBUTING.md)"
+        )
+    return handler(func, args, kwargs)

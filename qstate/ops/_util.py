@@ -1,0 +1,30 @@
+"""Helpers shared by the op handlers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .._state import QuantizedState
+
+aten = torch.ops.aten
+
+
+def dequantize_args(args: Any) -> Any:
+    """``args`` with every QuantizedState replaced by its dequantized values."""
+    return tree_map(lambda x: x.dequantize() if isinstance(x, QuantizedState) else x, args)
+
+
+def check_same_kind(what: str, a: QuantizedState, b: QuantizedState) -> None:
+    """Raise unless ``a`` and ``b`` share format, signedness, block size and dtype."""
+    if (a.format, a.signed, a.block_size, a.dtype) != (b.format, b.signed, b.block_size, b.dtype):
+        raise ValueError(f"{what}: expected a state of kind [{a.describe()}], got [{b.describe()}]")
+
+
+def norm_dim(dim: int, ndim: int, what: str, q: QuantizedState) -> int:
+    d = dim + max(ndim, 1) if dim < 0 else dim
+    if d != 0:
+        raise NotImplementedError(f"{what}: a QuantizedState supports dim 0 only, got dim={dim} for [{q.describe()}]")
+    return d

@@ -1,0 +1,45 @@
+"""c10d functional collectives on states (DTensor ``full_tensor``/``redistribute``).
+
+Collectives run on the inner tensors and are **waited inside the handler**, so
+``codes``/``scale`` are never AsyncCollectiveTensors; funcol wraps the *outer*
+state, and ``wait_tensor`` on it is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._state import QuantizedState
+from ._registry import register
+
+c10d = torch.ops._c10d_functional
+
+
+def _gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(t.contiguous(), group_size, group_name))
+
+
+# DTensor Shard(0) -> Replicate (full_tensor, redistribute): rows of every rank, in rank order
+@register(c10d.all_gather_into_tensor.default)
+def _all_gather(func, args, kwargs):
+    q, group_size, group_name = args
+    codes = _gather(q.codes, group_size, group_name)
+    scale = _gather(q.scale, group_size, group_name)
+    if q.dim() >= 2:
+        shape = (q.shape[0] * group_size, *q.shape[1:])
+        return q.with_parts(codes, scale, shape=shape)
+    if q.rows != 1 or q.numel() != q.row_len:
+        raise NotImplementedError(
+            f"all_gather_into_tensor: a 1-D state must be one whole row to gather, got {q.rows} rows of "
+            f"{q.row_len} [{q.describe()}]"
+        )
+    return q.with_parts(codes, scale, shape=(q.numel() * group_size,))
+
+
+# funcol.wait_tensor on the outer state (inner collectives were already waited)
+@register(c10d.wait_tensor.default)
+def _wait(func, args, kwargs):
+    return args[0]
+
+
+_ = QuantizedState

@@ -1,0 +1,113 @@
+"""Copies, moves and fresh states: copy_, _to_copy, clone, zeros_like, pinning."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from .._api import encode_like, zero_parts
+from .._state import QuantizedState
+from ._registry import register
+from ._util import aten, check_same_kind
+
+
+def _map_parts(q: QuantizedState, fn) -> QuantizedState:
+    qmap = None if q.qmap is None else fn(q.qmap)
+    return q.with_parts(fn(q.codes), fn(q.scale), shape=q.shape, qmap=qmap)
+
+
+def _parts(q: QuantizedState) -> list[torch.Tensor]:
+    return [q.codes, q.scale] + ([] if q.qmap is None else [q.qmap])
+
+
+def copy_into_state(dst: QuantizedState, src: torch.Tensor) -> QuantizedState:
+    """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged."""
+    if isinstance(src, QuantizedState):
+        check_same_kind("copy_", dst, src)
+        if tuple(src.shape) != tuple(dst.shape) or (src.rows, src.row_len) != (dst.rows, dst.row_len):
+            raise ValueError(
+                f"copy_: expected a state of shape {tuple(dst.shape)} stored as {dst.rows} rows of "
+                f"{dst.row_len}, got shape {tuple(src.shape)} stored as {src.rows} rows of {src.row_len}"
+            )
+        codes, scale = src.codes, src.scale
+    else:
+        if not src.is_floating_point():
+            raise TypeError(f"copy_: a quantized state takes floating-point values, got {src.dtype} [{dst.describe()}]")
+        try:
+            src = src.expand(dst.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"copy_: expected a source of shape {tuple(dst.shape)}, got {tuple(src.shape)} [{dst.describe()}]"
+            ) from None
+        codes, scale = encode_like(dst, src)
+    dst.codes.copy_(codes)
+    dst.scale.copy_(scale)
+    return dst
+
+
+# optimizer steps writing new values into a state; load_state_dict; DTensor copy_
+@register(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, QuantizedState):
+        return copy_into_state(dst, src)
+    return dst.copy_(src.dequantize(torch.float32))
+
+
+# Tensor.to(device) (moves the state) and Tensor.to(dtype) (reads it as plain values)
+@register(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    q = args[0]
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or q.device
+    non_blocking = kwargs.get("non_blocking", False)
+    if dtype is not None and dtype != q.dtype:
+        return q.dequantize(dtype).to(device, non_blocking=non_blocking)
+    out = _map_parts(q, lambda t: t.to(device, non_blocking=non_blocking))
+    if kwargs.get("pin_memory"):
+        out = _map_parts(out, lambda t: t.pin_memory())
+    return out
+
+
+# state_dict deep copies, torch.compile functionalization
+@register(aten.clone.default)
+def _clone(func, args, kwargs):
+    return _map_parts(args[0], torch.clone)
+
+
+# torch.zeros_like/empty_like of a state (optimizer state init from another state)
+@register(aten.zeros_like.default, aten.empty_like.default)
+def _zeros_like(func, args, kwargs):
+    q = args[0]
+    dtype = kwargs.get("dtype")
+    device = kwargs.get("device") or q.device
+    if dtype is not None and dtype != q.dtype:
+        return torch.zeros(q.shape, dtype=dtype, device=device)
+    codes, scale = zero_parts(q.fmt, q.rows, q.row_len, q.block_size, q.signed, torch.device(device))
+    qmap = None if q.qmap is None else q.qmap.to(device)
+    return q.with_parts(codes, scale, shape=q.shape, qmap=qmap)
+
+
+# optimizer zero-init / reset of a state in place
+@register(aten.zero_.default)
+def _zero(func, args, kwargs):
+    q = args[0]
+    codes, scale = zero_parts(q.fmt, q.rows, q.row_len, q.block_size, q.signed, q.device)
+    q.codes.copy_(codes)
+    q.scale.copy_(scale)
+    return q
+
+
+# FSDP2 CPU offload (pinned host states) and DataLoader-style pinning
+@register(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    return all(t.is_pinned() for t in _parts(args[0]))
+
+
+# Tensor.pin_memory() of an offloaded state
+@register(aten._pin_memory.default)
+def _pin_memory(func, args, kwargs):
+    return _map_parts(args[0], lambda t: t.pin_memory())
+
+
+_ = return_and_correct_aliasing

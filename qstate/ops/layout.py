@@ -1,0 +1,208 @@
+"""Aliasing and dim-0 layout ops: views, slices, cat, pad.
+
+Every handler moves whole rows (or, in a 1-D state of one row, whole blocks)
+of ``codes``/``scale``; none requantizes. An op that would split a block
+raises instead of silently requantizing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from .._api import zero_parts
+from .._state import QuantizedState
+from ._registry import register
+from ._util import aten, check_same_kind, norm_dim
+
+
+def _infer_shape(size: Sequence[int], numel: int) -> tuple[int, ...]:
+    size = list(size)
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = numel // known if known else 0
+    return tuple(size)
+
+
+def _padding(q: QuantizedState) -> int:
+    return q.rows * q.row_len - q.numel()
+
+
+def view_state(q: QuantizedState, size: Sequence[int]) -> QuantizedState:
+    """``q`` under a new shape with the same rows, or a clear error."""
+    shape = _infer_shape(size, q.numel())
+    if math.prod(shape) != q.numel():
+        raise RuntimeError(f"view: shape {list(size)} is invalid for a state of {q.numel()} elements [{q.describe()}]")
+    keeps_rows = (
+        shape == tuple(q.shape)
+        or len(shape) <= 1
+        or (shape[0] == q.rows and _padding(q) == 0)
+    )
+    if not keeps_rows:
+        raise NotImplementedError(
+            f"view: shape {list(shape)} would move rows of a state stored as {q.rows} rows of {q.row_len} "
+            f"(new dim 0 must equal {q.rows}, or be 1-D) [{q.describe()}]"
+        )
+    return q.with_parts(q.codes, q.scale, shape=shape)
+
+
+# DTensor.from_local (view_as), flatten/reshape of states, torch.compile
+@register(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default)
+def _view(func, args, kwargs):
+    out = view_state(args[0], args[1])
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+# autograd / DTensor.from_local / torch.compile (detach and alias return the same state)
+@register(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    q = args[0]
+    out = q.with_parts(func(q.codes), func(q.scale), shape=q.shape)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+def _block_cols(q: QuantizedState, start: int, stop: int) -> tuple[int, int, int, int]:
+    """Byte and scale column ranges of elements ``[start, stop)`` of one row (start on a block)."""
+    f = q.fmt
+    return start * f.bits // 8, f.packed_width(stop), start // q.block_size, -(-stop // q.block_size)
+
+
+def slice_state(q: QuantizedState, start: int, stop: int) -> QuantizedState:
+    """Elements/rows ``[start, stop)`` along dim 0, aliasing ``q``'s parts."""
+    stop = max(stop, start)
+    if q.dim() >= 2:
+        return q.with_parts(q.codes[start:stop], q.scale[start:stop], shape=(stop - start, *q.shape[1:]))
+    L = q.row_len
+    if start == stop:
+        return q.with_parts(q.codes[:1, :0], q.scale[:1, :0], shape=(0,), row_len=0)
+    if q.rows > 1 and start % L == 0:  # whole rows
+        r0, r1 = start // L, -(-stop // L)
+        return q.with_parts(q.codes[r0:r1], q.scale[r0:r1], shape=(stop - start,))
+    row, offset = divmod(start, L) if L else (0, 0)
+    inside_one_row = (stop - 1) // L == row if L else True
+    if inside_one_row and offset % q.block_size == 0:
+        c0, c1, s0, s1 = _block_cols(q, offset, offset + stop - start)
+        return q.with_parts(q.codes[row:row + 1, c0:c1], q.scale[row:row + 1, s0:s1],
+                            shape=(stop - start,), row_len=stop - start)
+    raise NotImplementedError(
+        f"slice: [{start}:{stop}] of a 1-D state stored as {q.rows} row(s) of {L} would split a block; "
+        f"start must be a multiple of block_size={q.block_size} within a row, or of the row length {L} "
+        f"[{q.describe()}]"
+    )
+
+
+def _bounds(q: QuantizedState, start: Optional[int], end: Optional[int]) -> tuple[int, int]:
+    n = q.shape[0] if q.dim() else 1
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    return min(max(start, 0), n), min(max(end, 0), n)
+
+
+# DTensor unpad (narrow), FSDP2/DTensor uneven chunks, user slicing along dim 0
+@register(aten.slice.Tensor)
+def _slice(func, args, kwargs):
+    q, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1:])[:5]
+    dim, start, end, step = kwargs.get("dim", dim), kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
+    norm_dim(dim, q.dim(), "slice", q)
+    if step != 1:
+        raise NotImplementedError(f"slice: step must be 1, got {step} [{q.describe()}]")
+    out = slice_state(q, *_bounds(q, start, end))
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+def _split_points(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+    points, at = [], 0
+    for s in sizes:
+        points.append((at, at + s))
+        at += s
+    return points
+
+
+# torch.split / torch.chunk / DTensor Shard._split_tensor along dim 0
+@register(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func, args, kwargs):
+    q, how = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    norm_dim(dim, q.dim(), "split", q)
+    n = q.shape[0]
+    sizes = list(how) if isinstance(how, (list, tuple)) else [min(how, n - i) for i in range(0, n, how)] or [0]
+    if sum(sizes) != n:
+        raise RuntimeError(f"split: sizes {sizes} do not sum to dim 0 = {n} [{q.describe()}]")
+    outs = [slice_state(q, a, b) for a, b in _split_points(n, sizes)]
+    return return_and_correct_aliasing(func, args, kwargs, outs)
+
+
+# DTensor/FSDP reassembling shards along dim 0, user torch.cat of states
+@register(aten.cat.default)
+def _cat(func, args, kwargs):
+    tensors = [t for t in args[0]]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    first = tensors[0]
+    if not all(isinstance(t, QuantizedState) for t in tensors):
+        raise TypeError(f"cat: all inputs must be QuantizedState, got {[type(t).__name__ for t in tensors]}")
+    norm_dim(dim, first.dim(), "cat", first)
+    tensors = [t for t in tensors if t.numel() or t.dim() >= 2]
+    if not tensors:
+        return first.clone()
+    for t in tensors[1:]:
+        check_same_kind("cat", first, t)
+        if t.dim() != first.dim() or tuple(t.shape[1:]) != tuple(first.shape[1:]):
+            raise ValueError(f"cat: expected trailing shape {tuple(first.shape[1:])}, got [{t.describe()}]")
+    if first.dim() >= 2:
+        shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+        return first.with_parts(torch.cat([t.codes for t in tensors]), torch.cat([t.scale for t in tensors]), shape=shape)
+    L = tensors[0].row_len
+    *head, last = tensors
+    if any(_padding(t) or t.row_len != L for t in head) or last.row_len > L or (last.rows > 1 and last.row_len != L):
+        raise NotImplementedError(
+            "cat: 1-D states concatenate only when every piece but the last is whole rows of one length "
+            f"and the last is no longer; got rows x row_len {[(t.rows, t.row_len) for t in tensors]} [{first.describe()}]"
+        )
+    if last.row_len < L:
+        last = pad_state(last, L - last.numel(), extend_row_to=L)
+    numel = sum(t.numel() for t in tensors)
+    return first.with_parts(torch.cat([t.codes for t in head + [last]]), torch.cat([t.scale for t in head + [last]]),
+                            shape=(numel,), row_len=L)
+
+
+def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None) -> QuantizedState:
+    """``q`` with ``extra`` zeros appended along dim 0 (new parts; ``q`` is untouched)."""
+    f = q.fmt
+    if q.dim() >= 2:
+        codes, scale = zero_parts(f, extra, q.row_len, q.block_size, q.signed, q.device)
+        return q.with_parts(torch.cat([q.codes, codes]), torch.cat([q.scale, scale]),
+                            shape=(q.shape[0] + extra, *q.shape[1:]))
+    numel = q.numel() + extra
+    if q.rows == 1:  # grow the single row: zero codes after the data, zero scales for new blocks
+        L = max(numel, extend_row_to or 0)
+        values = f.unpack(q.codes, q.row_len)[:, :q.numel()]
+        codes = torch.cat([values, torch.full((1, L - q.numel()), f.zero_code(q.signed), dtype=torch.uint8, device=q.device)], 1)
+        nb = -(-L // q.block_size)
+        scale = torch.cat([q.scale[:, : -(-q.numel() // q.block_size)],
+                           torch.zeros((1, nb), dtype=torch.float32, device=q.device)], 1)[:, :nb]
+        return q.with_parts(f.pack(codes), scale, shape=(numel,), row_len=L)
+    L = q.row_len
+    new_rows = -(-numel // L) - q.rows
+    values = f.unpack(q.codes, L).clone()
+    values[-1, q.numel() - (q.rows - 1) * L:] = f.zero_code(q.signed)
+    codes, scale = zero_parts(f, new_rows, L, q.block_size, q.signed, q.device)
+    return q.with_parts(torch.cat([f.pack(values), codes]), torch.cat([q.scale, scale]), shape=(numel,))
+
+
+# DTensor/FSDP2 pad_tensor of uneven shards before all_gather (zeros at the end of dim 0)
+@register(aten.constant_pad_nd.default)
+def _constant_pad(func, args, kwargs):
+    q, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    ndim = q.dim()
+    want = [0] * (2 * ndim)
+    only_dim0_end = len(pad) == 2 * ndim and pad[:-1] == want[:-1] and pad[-1] >= 0
+    if not only_dim0_end or value != 0:
+        raise NotImplementedError(
+            f"constant_pad_nd: a QuantizedState pads only zeros at the end of dim 0 "
+            f"(pad=[0, ..., 0, k], value=0), got pad={pad}, value={value} [{q.describe()}]"
+        )
+    return pad_state(q, pad[-1])

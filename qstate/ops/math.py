@@ -1,0 +1,56 @@
+"""Ops that read a state as numbers.
+
+Out-of-place math returns **plain** tensors computed on the dequantized values
+(appearance dtype). In-place math on a state computes on its dequantized values
+and requantizes the result into the same layout; in-place math on a plain
+tensor with a state argument reads the state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._state import QuantizedState
+from ._registry import register
+from ._util import aten, dequantize_args
+from .copy import copy_into_state
+
+#: out-of-place ops an optimizer (or a test) reads a state with -> plain result
+READ_OPS = [
+    aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.rsub.Scalar, aten.neg.default, aten.abs.default, aten.sign.default,
+    aten.sqrt.default, aten.rsqrt.default, aten.pow.Tensor_Scalar, aten.maximum.default, aten.minimum.default,
+    aten.lerp.Scalar, aten.lerp.Tensor, aten.addcmul.default, aten.addcdiv.default, aten.clamp.default,
+    aten.where.self, aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+    aten.amax.default, aten.max.default, aten.min.default, aten.linalg_vector_norm.default,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.isfinite.default, aten.isnan.default,
+]
+
+#: in-place ops; on a state they requantize into its layout
+INPLACE_OPS = [
+    aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar,
+    aten.div_.Tensor, aten.div_.Scalar, aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
+    aten.addcdiv_.default, aten.sqrt_.default, aten.clamp_.default, aten.fill_.Scalar, aten.maximum.out,
+]
+
+
+# optimizers reading moments (exp_avg.mul(beta), exp_avg_sq.sqrt(), ...) and tests
+@register(*READ_OPS)
+def _read(func, args, kwargs):
+    return func(*dequantize_args(args), **dequantize_args(kwargs))
+
+
+# torch.optim-style in-place updates on states (exp_avg.lerp_(grad, 1 - beta1), ...)
+@register(*INPLACE_OPS)
+def _inplace(func, args, kwargs):
+    target = args[0] if args else kwargs["out"]
+    if not isinstance(target, QuantizedState):
+        return func(*dequantize_args(args), **dequantize_args(kwargs))
+    values = target.dequantize(torch.float32)
+    rest = dequantize_args((args[1:], kwargs))
+    if args:
+        result = func(values, *rest[0], **rest[1])
+    else:
+        result = func(*rest[0], **{**rest[1], "out": values})
+    copy_into_state(target, result)
+    return target
