@@ -112,6 +112,12 @@ class QuantizedState(Tensor):
             shape=outer_size, dtype=dtype,
         )
 
+    def _stable_hash_for_caching(self) -> str:
+        # AOT autograd cache key: the structure, not the values
+        parts = [self.codes, self.scale] + ([] if self.qmap is None else [self.qmap])
+        inner = ";".join(f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in parts)
+        return f"QuantizedState({self.format},{self.signed},{self.block_size},{self.row_len},{self.dtype},{inner})"
+
     def with_parts(
         self,
         codes: Tensor,

@@ -55,10 +55,7 @@ class BlockFormat:
 
     def zero_code(self, signed: bool) -> int:
         """The code (``uint8`` value of one element) that decodes to exactly 0."""
-        qmap = self.make_qmap(signed)
-        if qmap is None:
-            return 0
-        return int((qmap == 0).nonzero()[0, 0])
+        return 0
 
     def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
         """Codes (``uint8``, one per element) of normalized values ``y``."""
@@ -125,7 +122,7 @@ class BlockFormat:
         rows, row_len = codes.shape
         if row_len % 2:
             codes = torch.nn.functional.pad(codes, (0, 1))
-        pairs = codes.view(rows, -1, 2)
+        pairs = codes.view(rows, codes.shape[1] // 2, 2)
         return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
     def unpack(self, codes: Tensor, row_len: int) -> Tensor:
@@ -133,7 +130,7 @@ class BlockFormat:
         if self.bits == 8:
             return codes
         rows = codes.shape[0]
-        both = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(rows, -1)
+        both = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(rows, 2 * codes.shape[1])
         return both[:, :row_len]
 
     def __repr__(self) -> str:

@@ -68,6 +68,11 @@ class MapFormat(BlockFormat):
         for m in (signed_map, unsigned_map):
             assert m.numel() == 2**bits and bool((m.diff() >= 0).all()) and bool((m == 0).any())
         self._maps = {True: signed_map, False: unsigned_map}
+        # python ints, so that tracing never touches the maps
+        self._zero_codes = {s: int((m == 0).nonzero()[0, 0]) for s, m in self._maps.items()}
+
+    def zero_code(self, signed: bool) -> int:
+        return self._zero_codes[bool(signed)]
 
     def make_qmap(self, signed: bool, device: torch.device | str | None = None) -> Optional[Tensor]:
         return self._maps[bool(signed)].to(device)

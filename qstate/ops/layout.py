@@ -155,17 +155,30 @@ def _cat(func, args, kwargs):
         shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
         return first.with_parts(torch.cat([t.codes for t in tensors]), torch.cat([t.scale for t in tensors]), shape=shape)
     L = tensors[0].row_len
-    *head, last = tensors
-    if any(_padding(t) or t.row_len != L for t in head) or last.row_len > L or (last.rows > 1 and last.row_len != L):
+    segments = [seg for t in tensors for seg in _as_rows(t, L, first)]
+    *head, last = segments
+    if any(seg.row_len != L for seg in head):
         raise NotImplementedError(
-            "cat: 1-D states concatenate only when every piece but the last is whole rows of one length "
-            f"and the last is no longer; got rows x row_len {[(t.rows, t.row_len) for t in tensors]} [{first.describe()}]"
+            f"cat: 1-D pieces of {[t.numel() for t in tensors]} elements do not fill rows of {L} "
+            f"[{first.describe()}]"
         )
     if last.row_len < L:
         last = pad_state(last, L - last.numel(), extend_row_to=L)
     numel = sum(t.numel() for t in tensors)
-    return first.with_parts(torch.cat([t.codes for t in head + [last]]), torch.cat([t.scale for t in head + [last]]),
+    rows = head + [last]
+    return first.with_parts(torch.cat([r.codes for r in rows]), torch.cat([r.scale for r in rows]),
                             shape=(numel,), row_len=L)
+
+
+def _as_rows(t: QuantizedState, L: int, first: QuantizedState) -> list[QuantizedState]:
+    """A 1-D piece cut into one-row states of ``L`` elements (the last may be shorter)."""
+    try:
+        return [slice_state(t, a, min(a + L, t.numel())) for a in range(0, t.numel(), L)]
+    except NotImplementedError:
+        raise NotImplementedError(
+            f"cat: a 1-D piece stored as {t.rows} row(s) of {t.row_len} cannot be cut into rows of {L} "
+            f"without splitting a block of {t.block_size} [{first.describe()}]"
+        ) from None
 
 
 def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None) -> QuantizedState:

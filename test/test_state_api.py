@@ -1,0 +1,178 @@
+"""Reprs, errors, the op table, serialization and torch.compile of QuantizedState."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import expecttest
+import pytest
+import torch
+
+import qstate
+from qstate.formats import FORMATS
+
+
+def _err(fn) -> str:
+    with pytest.raises(Exception) as info:
+        fn()
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+class TestReprAndErrors(expecttest.TestCase):
+    def test_repr(self):
+        lines = [
+            repr(qstate.quantize(torch.randn(3, 5, dtype=d), f, signed=s))
+            for f, s, d in itertools.product(sorted(FORMATS), (True, False), (torch.float32, torch.bfloat16))
+        ]
+        self.assertExpectedInline("\n".join(lines), """\
+QuantizedState(format='4bit', signed, block_size=128, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='4bit', signed, block_size=128, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
+QuantizedState(format='4bit', unsigned, block_size=128, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='4bit', unsigned, block_size=128, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
+QuantizedState(format='8bit', signed, block_size=256, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='8bit', signed, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
+QuantizedState(format='8bit', unsigned, block_size=256, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='8bit', unsigned, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
+QuantizedState(format='fp8', signed, block_size=256, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='fp8', signed, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
+QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch.float32, device='cpu')
+QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')""")
+
+    def _unchanged_after(self, q, fn) -> str:
+        codes, scale = q.codes.clone(), q.scale.clone()
+        msg = _err(fn)
+        self.assertTrue(torch.equal(q.codes, codes) and torch.equal(q.scale, scale))
+        return msg
+
+    def test_copy_errors_leave_destination_unchanged(self):
+        q = qstate.quantize(torch.randn(4, 300), "8bit")
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "4bit"))),
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [4bit signed block_size=128 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", block_size=64))),
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=64 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", signed=False))),
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit unsigned block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(torch.randn(3, 300))),
+            """ValueError: copy_: expected a source of shape (4, 300), got (3, 300) [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(torch.ones(4, 300, dtype=torch.int64))),
+            """TypeError: copy_: a quantized state takes floating-point values, got torch.int64 [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+
+    def test_layout_errors(self):
+        v = qstate.quantize(torch.randn(1000), "8bit")
+        self.assertExpectedInline(
+            self._unchanged_after(v, lambda: v[100:]),
+            """NotImplementedError: slice: [100:1000] of a 1-D state stored as 1 row(s) of 1000 would split a block; start must be a multiple of block_size=256 within a row, or of the row length 1000 [8bit signed block_size=256 dtype=torch.float32 shape=(1000,) device=cpu]""",
+        )
+        m = qstate.quantize(torch.randn(6, 10), "fp8")
+        self.assertExpectedInline(
+            _err(lambda: m[:, 2:]),
+            """NotImplementedError: slice: a QuantizedState supports dim 0 only, got dim=1 for [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            _err(lambda: m.view(3, 20)),
+            """NotImplementedError: view: shape [3, 20] would move rows of a state stored as 6 rows of 10 (new dim 0 must equal 6, or be 1-D) [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            _err(lambda: torch.nn.functional.pad(m, [0, 1])),
+            """NotImplementedError: constant_pad_nd: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], value=0), got pad=[0, 1], value=0.0 [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
+        )
+
+    def test_unknown_op_names_op_and_types(self):
+        q = qstate.quantize(torch.randn(4, 4), "8bit")
+        self.assertExpectedInline(
+            _err(lambda: torch.mm(q, torch.randn(4, 4))),
+            """NotImplementedError: QuantizedState does not support aten.mm.default (tensor arguments: QuantizedState, Tensor); dequantize() first, or add a handler in qstate/ops (see CONTRIBUTING.md)""",
+        )
+
+    def test_construction_errors(self):
+        x = torch.randn(10)
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x, "3bit")),
+                                  """ValueError: unknown state format '3bit'; expected one of ['4bit', '8bit', 'fp8']""")
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x, "4bit", block_size=33)),
+                                  """ValueError: format '4bit': block_size must be even (two codes per byte), got 33""")
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x.half(), "8bit")),
+                                  """TypeError: quantize: a quantized state appears as torch.float32 or torch.bfloat16, got torch.float16""")
+
+
+def test_block_size_is_fixed_at_construction():
+    q = qstate.quantize(torch.randn(5, 1000), "8bit", block_size=64)
+    for out in (q[1:3], q.view(-1), q.clone(), torch.cat([q, q]), torch.nn.functional.pad(q, [0, 0, 0, 3]), q.to("cpu")):
+        assert out.block_size == 64 and out.scale.shape[-1] == -(-out.row_len // 64)
+    q.copy_(torch.randn(5, 1000) * 1e4)
+    assert q.block_size == 64
+
+
+def test_views_alias_and_write_through():
+    q = qstate.quantize(torch.randn(6, 300), "8bit")
+    rows = q[2:4]
+    y = torch.randn(2, 300)
+    rows.copy_(y)
+    assert torch.equal(q.dequantize()[2:4], qstate.quantize(y, "8bit").dequantize())
+    assert q.view(-1).codes.data_ptr() == q.codes.data_ptr()
+
+
+def test_registered_ops_cover_the_listed_families():
+    ops = set(qstate.ops.registered_ops())
+    for name in ("aten.copy_.default", "aten._to_copy.default", "aten.clone.default", "aten.detach.default",
+                 "aten.alias.default", "aten.view.default", "aten._unsafe_view.default", "aten.slice.Tensor",
+                 "aten.split.Tensor", "aten.cat.default", "aten.constant_pad_nd.default", "aten.zeros_like.default",
+                 "aten.empty_like.default", "aten.is_pinned.default", "aten._pin_memory.default",
+                 "aten.lerp.Scalar", "aten.mul.Tensor", "aten.add.Tensor", "aten.sqrt.default",
+                 "aten.maximum.default", "_c10d_functional.all_gather_into_tensor.default",
+                 "_c10d_functional.wait_tensor.default"):
+        assert name in ops, name
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_save_load_weights_only_round_trip(fmt, dtype):
+    q = qstate.quantize(torch.randn(7, 33).to(dtype), fmt, signed=False if fmt == "4bit" else True)
+    buf = io.BytesIO()
+    torch.save({"exp_avg": q, "step": torch.tensor(3.0)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["exp_avg"]
+    assert isinstance(loaded, qstate.QuantizedState)
+    assert (loaded.format, loaded.signed, loaded.block_size, loaded.dtype) == (q.format, q.signed, q.block_size, dtype)
+    assert torch.equal(loaded.dequantize(), q.dequantize())
+    buf.seek(0)
+    on_meta = torch.load(buf, weights_only=True, map_location="meta")["exp_avg"]
+    assert on_meta.device.type == "meta" and on_meta.codes.device.type == "meta"
+    if torch.cuda.is_available():
+        buf.seek(0)
+        on_gpu = torch.load(buf, weights_only=True, map_location="cuda")["exp_avg"]
+        assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.dequantize().cpu(), q.dequantize())
+
+
+def _adam_like(m, v, g, beta1: float, beta2: float):
+    m_new = m.float().lerp(g, 1 - beta1)
+    v_new = v.float().mul(beta2).addcmul(g, g, value=1 - beta2)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    return m_new / (v_new.sqrt() + 1e-8)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_compile_fullgraph_matches_eager(fmt):
+    torch._dynamo.reset()
+    g = torch.randn(33, 70)
+    states = [(qstate.quantize(torch.randn(33, 70), fmt), qstate.quantize(torch.rand(33, 70), fmt, signed=False))
+              for _ in range(2)]
+    (me, ve), (mc, vc) = states
+    mc.copy_(me)
+    vc.copy_(ve)
+    upd_e = _adam_like(me, ve, g, 0.9, 0.999)
+    upd_c = torch.compile(_adam_like, fullgraph=True)(mc, vc, g, 0.9, 0.999)
+    assert torch.equal(mc.codes, me.codes) and torch.equal(vc.codes, ve.codes)
+    torch.testing.assert_close(mc.scale, me.scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(upd_c, upd_e, rtol=1e-5, atol=1e-6)
