@@ -1,12 +1,32 @@
-"""DTensor entry points (filled in by the quantized-states-in-DTensor work)."""
+"""Quantized states inside DTensor.
+
+A quantized DTensor state is a DTensor whose local tensor is a
+:class:`~qstate.QuantizedState` holding this rank's shard. Rules:
+
+* Placements are ``Replicate()`` or ``Shard(0)`` on every mesh dim; dim-0
+  shards are whole rows of the state (blocks never cross rows), so uneven
+  ``Shard(0)`` (first dim not divisible by the world size) pads, gathers and
+  reshards by moving rows, never requantizing. ``Partial`` and other shard
+  dims are rejected.
+* The local state lives on the local tensor's device, which may differ from
+  the mesh's device type (FSDP2 ``CPUOffloadPolicy``): then the DTensor is
+  built directly from its spec, since ``from_local`` would move it.
+* :func:`state_like` decides quantize-or-plain from the GLOBAL shape
+  (``p.numel()``, ``p.ndim``), so every rank holds the same type.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
+import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "quantize_dtensor", "zeros_like_dtensor"]
+__all__ = ["is_dtensor", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
+           "DEFAULT_MIN_QUANTIZE_NUMEL"]
+
+#: tensors with fewer elements keep a plain fp32 state
+DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 
 
 def is_dtensor(x: Any) -> bool:
@@ -17,9 +37,86 @@ def is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
+def _map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn`` of this rank's shard (of every simulated rank's under LocalTensorMode)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor, tensor_map
+    except ImportError:  # torch without simulated ranks
+        return fn(local)
+    if isinstance(local, LocalTensor):
+        return tensor_map(local, lambda rank, shard: fn(shard))
+    return fn(local)
+
+
+def _check_placements(x: Tensor, what: str) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    for p in x.placements:
+        if not (type(p) is Replicate or (type(p) is Shard and p.dim == 0)):
+            raise NotImplementedError(
+                f"{what}: a quantized DTensor state must be Replicate() or Shard(0) on every mesh dim, "
+                f"got placements {tuple(x.placements)} for shape {tuple(x.shape)}"
+            )
+
+
+def wrap_local_state(local: Tensor, like: Tensor) -> Tensor:
+    """A DTensor with ``like``'s mesh, placements, shape and stride over ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = like.device_mesh
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(local, mesh, like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
+    # local device differs from the mesh's (CPU offload): from_local would move it
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(like.placements),
+                       tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def quantize_dtensor(x: Tensor, fmt: str, **kwargs: Any) -> Tensor:
-    raise NotImplementedError("quantize: DTensor inputs are not supported yet")
+    from ._api import quantize
+
+    _check_placements(x, "quantize")
+    return wrap_local_state(_map_local(x.to_local(), lambda t: quantize(t, fmt, **kwargs)), x)
 
 
 def zeros_like_dtensor(p: Tensor, fmt: str, **kwargs: Any) -> Tensor:
-    raise NotImplementedError("zeros_like: DTensor inputs are not supported yet")
+    from ._api import zeros_like
+
+    _check_placements(p, "zeros_like")
+    return wrap_local_state(_map_local(p.to_local(), lambda t: zeros_like(t, fmt, **kwargs)), p)
+
+
+def wants_quantized(p: Tensor, min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL) -> bool:
+    """The quantize-or-plain policy, from the global shape only (same answer on every rank).
+
+    Quantized iff ``p.ndim >= 2`` and ``p.numel() >= min_quantize_numel``.
+    1-D tensors (biases, norms) stay plain fp32 at any size: their FSDP2
+    shards do not start on block boundaries, and a plain state keeps them
+    exact under any resharding.
+    """
+    return p.dim() >= 2 and p.numel() >= min_quantize_numel
+
+
+def state_like(
+    p: Tensor,
+    fmt: str,
+    *,
+    signed: bool = True,
+    block_size: Optional[int] = None,
+    min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
+) -> Tensor:
+    """A zero optimizer state for ``p``: quantized per :func:`wants_quantized`, else fp32 plain.
+
+    ``p`` may be a plain tensor or a DTensor; the state has ``p``'s device
+    (and mesh/placements). The quantized state's appearance dtype is
+    ``p.dtype`` when that is float32/bfloat16, else float32.
+    """
+    from ._api import zeros_like
+
+    if not wants_quantized(p, min_quantize_numel):
+        return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+    dtype = p.dtype if p.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    return zeros_like(p, fmt, signed=signed, block_size=block_size, dtype=dtype)

@@ -12,7 +12,11 @@ import torch
 from .._state import QuantizedState
 from ._registry import register
 
+import torch.distributed._functional_collectives  # noqa: F401  (defines _wrap_tensor_autograd)
+
 c10d = torch.ops._c10d_functional
+# torch >= 2.10 wraps funcol results with this custom op
+_WRAP_OPS = [c10d._wrap_tensor_autograd.default] if hasattr(c10d, "_wrap_tensor_autograd") else []
 
 
 def _gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
@@ -36,9 +40,10 @@ def _all_gather(func, args, kwargs):
     return q.with_parts(codes, scale, shape=(q.numel() * group_size,))
 
 
-# funcol.wait_tensor on the outer state (inner collectives were already waited)
-@register(c10d.wait_tensor.default)
-def _wait(func, args, kwargs):
+# funcol.wait_tensor / _maybe_wrap_tensor on the outer state: the inner collectives were
+# already waited, so the state is returned as is (never an AsyncCollectiveTensor inside)
+@register(c10d.wait_tensor.default, *_WRAP_OPS)
+def _already_waited(func, args, kwargs):
     return args[0]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from .._api import encode_like, zero_parts
+from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
 from ._registry import register
 from ._util import aten, check_same_kind
@@ -86,6 +86,20 @@ def _zeros_like(func, args, kwargs):
     codes, scale = zero_parts(q.fmt, q.rows, q.row_len, q.block_size, q.signed, torch.device(device))
     qmap = None if q.qmap is None else q.qmap.to(device)
     return q.with_parts(codes, scale, shape=q.shape, qmap=qmap)
+
+
+# DTensor fill_empty_tensor_to_shards (empty shards when dim 0 < world size), Tensor.new_zeros
+@register(aten.new_zeros.default)
+def _new_zeros(func, args, kwargs):
+    q, size = args[0], tuple(args[1])
+    dtype = kwargs.get("dtype")
+    device = torch.device(kwargs.get("device") or q.device)
+    if dtype is not None and dtype != q.dtype:
+        return torch.zeros(size, dtype=dtype, device=device)
+    rows, row_len = row_layout(size)
+    codes, scale = zero_parts(q.fmt, rows, row_len, q.block_size, q.signed, device)
+    qmap = None if q.qmap is None else q.qmap.to(device)
+    return q.with_parts(codes, scale, shape=size, row_len=row_len, qmap=qmap)
 
 
 # optimizer zero-init / reset of a state in place

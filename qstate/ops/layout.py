@@ -219,3 +219,9 @@ def _constant_pad(func, args, kwargs):
             f"(pad=[0, ..., 0, k], value=0), got pad={pad}, value={value} [{q.describe()}]"
         )
     return pad_state(q, pad[-1])
+
+
+# LocalTensor (simulated ranks) and DTensor metadata queries: a state is its own base, offset 0
+@register(aten.sym_storage_offset.default)
+def _storage_offset(func, args, kwargs):
+    return 0

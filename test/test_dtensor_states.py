@@ -1,0 +1,139 @@
+"""Quantized states inside DTensor, simulated ranks (fake process group + LocalTensorMode).
+
+Property tests over shapes (uneven first dims included), formats, meshes and
+placements: from_local / full_tensor / redistribute, and ops the optimizers
+call, all compared with the unsharded quantized tensor.
+"""
+
+from __future__ import annotations
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qstate
+
+local_tensor = pytest.importorskip("torch.distributed._local_tensor")
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_world():
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=WORLD)
+    assert dist.get_world_size() == WORLD
+    yield
+
+
+def _ranks(t: torch.Tensor) -> list[torch.Tensor]:
+    """Per-rank values of a LocalTensor (or the tensor itself)."""
+    if isinstance(t, local_tensor.LocalTensor):
+        return [t._local_tensors[r] for r in sorted(t._local_tensors)]
+    return [t]
+
+
+def _meshes():
+    return st.sampled_from([(4,), (2, 2)])
+
+
+@st.composite
+def placements_for(draw, ndim_mesh: int):
+    return [draw(st.sampled_from([Shard(0), Replicate()])) for _ in range(ndim_mesh)]
+
+
+@settings(max_examples=40)
+@given(rows=st.integers(1, 23), cols=st.integers(1, 300), trailing=st.sampled_from([(), (3,)]),
+       fmt=st.sampled_from(sorted(qstate.formats.FORMATS)), signed=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), mesh_shape=_meshes(), data=st.data())
+def test_full_tensor_and_redistribute_equal_unsharded(rows, cols, trailing, fmt, signed, dtype, mesh_shape, data):
+    shape = (rows, cols, *trailing)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(rows * 1000 + cols)).to(dtype)
+    x = x if signed else x.abs()
+    ref = qstate.quantize(x, fmt, signed=signed)
+    with local_tensor.LocalTensorMode(WORLD) as mode:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        placements = data.draw(placements_for(len(mesh_shape)))
+        d = distribute_tensor(x, mesh, placements)
+        qd = qstate.quantize(d, fmt, signed=signed)
+        assert isinstance(qd, DTensor) and qd.dtype == dtype and tuple(qd.shape) == shape
+        full = qd.full_tensor()
+        back = qd.redistribute(mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements)
+        z = qstate.zeros_like(d, fmt, signed=signed)
+        z.copy_(qd)
+        with mode.disable():
+            for f in _ranks(full):
+                assert isinstance(f, qstate.QuantizedState) and f.dtype == dtype and f.block_size == ref.block_size
+                assert torch.equal(f.codes, ref.codes) and torch.equal(f.scale, ref.scale)
+            for a, b, c in zip(_ranks(back.to_local()), _ranks(qd.to_local()), _ranks(z.to_local())):
+                assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+                assert torch.equal(c.codes, b.codes) and torch.equal(c.scale, b.scale)
+
+
+@settings(max_examples=25)
+@given(rows=st.integers(1, 23), cols=st.integers(1, 200), fmt=st.sampled_from(sorted(qstate.formats.FORMATS)),
+       mesh_shape=_meshes(), data=st.data())
+def test_optimizer_ops_on_dtensor_states_match_unsharded(rows, cols, fmt, mesh_shape, data):
+    g = torch.Generator().manual_seed(rows + 7 * cols)
+    m0, grad = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+    ref = qstate.quantize(m0, fmt)
+    ref_new = ref.lerp(grad, 0.1)
+    ref.copy_(ref_new)
+    with local_tensor.LocalTensorMode(WORLD) as mode:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        placements = data.draw(placements_for(len(mesh_shape)))
+        qd = qstate.quantize(distribute_tensor(m0, mesh, placements), fmt)
+        gd = distribute_tensor(grad, mesh, placements)
+        with CommDebugMode() as comm:
+            new = qd.lerp(gd, 0.1)  # plain DTensor result
+            qd.copy_(new)  # requantized in place, shard by shard
+        assert comm.get_total_counts() == 0
+        full = qd.full_tensor()
+        new_full = new.full_tensor()
+        with mode.disable():
+            for f, n in zip(_ranks(full), _ranks(new_full)):
+                assert torch.equal(n, ref_new)
+                assert torch.equal(f.dequantize(), ref.dequantize())
+
+
+class TestDTensorStatePins(expecttest.TestCase):
+    def test_full_tensor_collectives_8bit_two_ranks(self):
+        with local_tensor.LocalTensorMode(WORLD):
+            two_ranks = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"]
+            assert two_ranks.size() == 2
+            qd = qstate.zeros_like(distribute_tensor(torch.zeros(65, 129), two_ranks, [Shard(0)]), "8bit")
+            with CommDebugMode() as comm:
+                qd.full_tensor()
+            self.assertExpectedInline(
+                str({str(k): v for k, v in comm.get_comm_counts().items()}),
+                """{'c10d_functional.all_gather_into_tensor': 1}""")
+
+    def test_rejected_placements(self):
+        with local_tensor.LocalTensorMode(WORLD):
+            mesh = init_device_mesh("cpu", (4,))
+            d = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(1)])
+            with self.assertRaises(NotImplementedError) as info:
+                qstate.zeros_like(d, "8bit")
+            self.assertExpectedInline(str(info.exception), """zeros_like: a quantized DTensor state must be Replicate() or Shard(0) on every mesh dim, got placements (Shard(dim=1),) for shape (8, 16)""")
+            p = DTensor.from_local(torch.zeros(8, 16), mesh, [Partial()])
+            with self.assertRaises(NotImplementedError):
+                qstate.quantize(p, "4bit")
+
+
+def test_policy_uses_global_numel_same_type_on_every_rank():
+    with local_tensor.LocalTensorMode(WORLD) as mode:
+        mesh = init_device_mesh("cpu", (4,))
+        # 65 x 64 = 4160 >= 4096 globally, but every local shard is < 4096
+        p = distribute_tensor(torch.zeros(65, 64), mesh, [Shard(0)])
+        s = qstate.state_like(p, "8bit")
+        bias = qstate.state_like(distribute_tensor(torch.zeros(5000), mesh, [Shard(0)]), "8bit")
+        small = qstate.state_like(distribute_tensor(torch.zeros(63, 64), mesh, [Shard(0)]), "8bit")
+        with mode.disable():
+            assert all(isinstance(t, qstate.QuantizedState) for t in _ranks(s.to_local()))
+            assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in _ranks(bias.to_local()))
+            assert all(type(t) is torch.Tensor for t in _ranks(small.to_local()))
