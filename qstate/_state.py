@@ -89,6 +89,8 @@ class QuantizedState(Tensor):
         self.signed = bool(signed)
         self.block_size = int(block_size)
         self.row_len = int(row_len)
+        #: diagnostic only: the parameter/state this tensor holds, quoted in errors
+        self.state_name: Optional[str] = None
 
     # -- structure --------------------------------------------------------
     @property
@@ -127,19 +129,22 @@ class QuantizedState(Tensor):
         row_len: Optional[int] = None,
         qmap: Optional[Tensor] = None,
     ) -> "QuantizedState":
-        """A state like ``self`` (format, signedness, block size, dtype) over new parts."""
-        return QuantizedState(
+        """A state like ``self`` (format, signedness, block size, dtype, name) over new parts."""
+        out = QuantizedState(
             codes, scale, self.qmap if qmap is None else qmap,
             format=self.format, signed=self.signed, block_size=self.block_size,
             row_len=self.row_len if row_len is None else row_len,
             shape=shape, dtype=self.dtype,
         )
+        out.state_name = self.state_name
+        return out
 
     def describe(self) -> str:
         """``format/signedness/block size/dtype/shape`` for error messages."""
         kind = "signed" if self.signed else "unsigned"
+        named = f"'{self.state_name}': " if self.state_name else ""
         return (
-            f"{self.format} {kind} block_size={self.block_size} dtype={self.dtype} "
+            f"{named}{self.format} {kind} block_size={self.block_size} dtype={self.dtype} "
             f"shape={tuple(self.shape)} device={self.device}"
         )
 

@@ -1,0 +1,168 @@
+"""Quantized states in real gloo processes: FSDP2 shards, full_tensor, DCP resharding.
+
+Layers have first dims not divisible by the world size (65 x 129, 7 x 16) and
+1-D biases, at world sizes 1, 2 and 3.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_utils import run_distributed
+
+FORMATS = ("8bit", "4bit", "fp8")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(129, 65), nn.ReLU(), nn.Linear(65, 16), nn.ReLU(), nn.Linear(16, 7))
+
+
+def _values(name: str, shape: torch.Size) -> torch.Tensor:
+    """Deterministic state values for parameter ``name`` (same on every rank)."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    return torch.randn(shape, generator=g)
+
+
+def _states(model: nn.Module, fmt: str, signed: bool = True) -> dict:
+    """One state per parameter (policy on the global size: small/1-D ones stay fp32), filled."""
+    import qstate
+
+    states = {}
+    for name, p in model.named_parameters():
+        s = qstate.state_like(p, fmt, signed=signed, min_quantize_numel=100)
+        full = _values(name, p.shape)
+        s.copy_(_distribute_like(full, p))
+        states[name] = s
+    return states
+
+
+def _distribute_like(full: torch.Tensor, like) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements)
+    return full
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def fsdp_full_tensor_body(rank: int, world_size: int) -> None:
+    import qstate
+    from torch.distributed.tensor import DTensor
+
+    model = _shard(_model())
+    for fmt in FORMATS:
+        states = _states(model, fmt)
+        for name, s in states.items():
+            assert isinstance(s, DTensor), name
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # e.g. "unwaited collective"
+                full = s.full_tensor()
+            values = _values(name, s.shape)
+            if qstate.wants_quantized(s, 100):
+                local = s.to_local()
+                assert isinstance(local, qstate.QuantizedState) and local.format == fmt
+                assert type(full) is qstate.QuantizedState  # never an AsyncCollectiveTensor
+                assert type(full.codes) is torch.Tensor and type(full.scale) is torch.Tensor
+                ref = qstate.quantize(values, fmt)
+                assert torch.equal(full.codes, ref.codes) and torch.equal(full.scale, ref.scale), name
+            else:
+                assert type(s.to_local()) is torch.Tensor and torch.equal(full, values), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_uneven_states_full_tensor_equals_unsharded(world_size):
+    run_distributed(fsdp_full_tensor_body, world_size)
+
+
+def _template(fmt: str) -> dict:
+    model = _shard(_model())
+    import qstate
+
+    return {name: qstate.state_like(p, fmt, min_quantize_numel=100) for name, p in model.named_parameters()}
+
+
+def dcp_save_body(rank: int, world_size: int, path: str, fmt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"states": _states(_shard(_model()), fmt)}, checkpoint_id=path)
+
+
+def dcp_load_body(rank: int, world_size: int, path: str, fmt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"states": _template(fmt)}
+    dcp.load(sd, checkpoint_id=path)
+    _check_loaded(sd, fmt)
+
+
+def _check_loaded(sd: dict, fmt: str) -> None:
+    import qstate
+
+    for name, s in sd["states"].items():
+        full = s.full_tensor()
+        values = _values(name, s.shape)
+        if isinstance(full, qstate.QuantizedState):
+            ref = qstate.quantize(values, fmt)
+            assert torch.equal(full.codes, ref.codes) and torch.equal(full.scale, ref.scale), name
+        else:
+            assert torch.equal(full, values), name
+
+
+def dcp_load_wrong_format_body(rank: int, world_size: int, path: str, fmt: str) -> None:
+    import qstate.checkpoint
+
+    sd = {"states": _template(fmt)}
+    for s in sd["states"].values():
+        s.copy_(_distribute_like(torch.full(s.shape, 0.5), s))
+    before = {k: v.full_tensor().dequantize() if hasattr(v.to_local(), "codes") else v.full_tensor()
+              for k, v in sd["states"].items()}
+    with pytest.raises(ValueError) as info:
+        qstate.checkpoint.load(sd, checkpoint_id=path)
+    msg = str(info.value)
+    assert re.match(r"checkpoint not loaded, states unchanged: copy_: expected a state of kind "
+                    rf"\['states\.[\w.]+': {fmt} signed block_size=128 dtype=torch.float32 shape=\(\d+, \d+\) "
+                    r"device=cpu\], got \[8bit signed block_size=256 dtype=torch.float32", msg), msg
+    after = {k: v.full_tensor().dequantize() if hasattr(v.to_local(), "codes") else v.full_tensor()
+             for k, v in sd["states"].items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def dcp_load_via_qstate_body(rank: int, world_size: int, path: str, fmt: str) -> None:
+    import qstate.checkpoint
+
+    sd = {"states": _template(fmt)}
+    qstate.checkpoint.load(sd, checkpoint_id=path)
+    _check_loaded(sd, fmt)
+
+
+RESHARD = [(2, 1), (2, 3), (3, 2), (1, 2)]
+
+
+@pytest.mark.parametrize("save_ws,load_ws", RESHARD, ids=[f"{a}to{b}" for a, b in RESHARD])
+def test_dcp_checkpoint_reshards_exactly(save_ws, load_ws, tmp_path):
+    fmt = FORMATS[(save_ws + load_ws) % 3]
+    path = os.fspath(tmp_path / "ckpt")
+    run_distributed(dcp_save_body, save_ws, path, fmt)
+    run_distributed(dcp_load_body, load_ws, path, fmt)
+
+
+def test_dcp_load_rejects_another_format(tmp_path):
+    path = os.fspath(tmp_path / "ckpt")
+    run_distributed(dcp_save_body, 2, path, "8bit")
+    run_distributed(dcp_load_wrong_format_body, 3, path, "4bit")
+    run_distributed(dcp_load_via_qstate_body, 3, path, "8bit")
