@@ -137,3 +137,20 @@ def test_policy_uses_global_numel_same_type_on_every_rank():
             assert all(isinstance(t, qstate.QuantizedState) for t in _ranks(s.to_local()))
             assert all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in _ranks(bias.to_local()))
             assert all(type(t) is torch.Tensor for t in _ranks(small.to_local()))
+
+
+def test_states_stay_on_the_local_device_when_the_mesh_is_elsewhere():
+    """FSDP2 CPUOffloadPolicy: the mesh is 'cuda', the local shards live on the CPU."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    mesh = DeviceMesh("cuda", list(range(WORLD)))  # no GPU needed: the fake group never touches it
+    spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=TensorMeta(torch.Size([65, 129]), (129, 1), torch.float32))
+    p = DTensor(torch.randn(17, 129), spec, requires_grad=False)  # rank 0's shard of 65 rows
+    for s in (qstate.state_like(p, "8bit"), qstate.zeros_like(p, "4bit", signed=False), qstate.quantize(p, "fp8")):
+        local = s.to_local()
+        assert isinstance(local, qstate.QuantizedState)
+        assert local.device.type == "cpu" and local.codes.device.type == "cpu"
+        assert s.device_mesh.device_type == "cuda" and tuple(s.shape) == (65, 129)
+        assert tuple(local.shape) == (17, 129)
+    assert torch.equal(qstate.quantize(p, "8bit").to_local().dequantize(), qstate.quantize(p.to_local(), "8bit").dequantize())
