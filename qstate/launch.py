@@ -63,6 +63,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         try:
             mp.start_processes(_rank_main, args=(world_size, _free_port(), backend, fn, args, errfile),
                                nprocs=world_size, start_method="spawn", join=True)
-        except mp.ProcessException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             msgs = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("err")]
             raise RuntimeError("\n".join(msgs) or str(e)) from None

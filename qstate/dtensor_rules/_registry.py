@@ -1,0 +1,206 @@
+"""A listable, undoable set of overrides of DTensor's dispatch tables.
+
+DTensor picks the rule for an op overload in this order (torch 2.13,
+``ShardingPropagator.propagate_op_sharding_non_cached``)::
+
+    OpDispatcher._custom_op_handlers[op]          # bypasses propagation
+    ShardingPropagator.op_single_dim_strategy_funcs[op]
+    ShardingPropagator.op_strategy_funcs[op]      # also where register_sharding writes
+    ShardingPropagator.op_to_rules[op]
+    decomposition
+
+so replacing an op strategy must also take the op out of the single-dim table,
+and every change must be followed by clearing the sharding caches (the Python
+LRU, the C++ fast-path cache and the tensor-meta cache).  The Python LRU is
+thread-local in torch 2.13: install before starting threads that run DTensor.
+
+Invariants kept by :class:`Registry`:
+
+* ``install()`` is idempotent; ``uninstall()`` is its exact inverse: every
+  table entry it wrote is put back to the object that was there before (or
+  removed if there was none), provided nobody replaced our entry meanwhile
+  (then the foreign entry is left alone and a warning names it).
+* The only state is ``Registry._saved`` / ``Registry._written`` /
+  ``Registry._report``; all three are empty whenever nothing is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from torch._ops import OpOverload
+
+from qstate.dtensor_rules import _compat
+
+
+__all__ = ["InstalledOverride", "Registry", "Rule"]
+
+RuleKind = Literal["strategy", "single_dim", "handler"]
+
+# table names, as attributes of ShardingPropagator (or OpDispatcher for handlers)
+_STRATEGY = "op_strategy_funcs"
+_SCHEMA_INFO = "op_to_schema_info"
+_SINGLE_DIM = "op_single_dim_strategy_funcs"
+_SINGLE_DIM_SCHEMA_INFO = "op_to_schema_info_for_single_dim_strategy"
+_HANDLERS = "_custom_op_handlers"
+
+_MISSING = object()
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One override for one op overload.
+
+    ``kind`` says which table ``impl`` goes to:
+
+    * ``"strategy"``: ``impl(op_schema) -> OpStrategy`` into ``op_strategy_funcs``
+      (and the op is removed from the single-dim table, which would win);
+    * ``"single_dim"``: ``impl(original_info) -> _SingleDimStrategyInfo`` wraps
+      torch's single-dim strategy (the rule is skipped if torch has none);
+    * ``"handler"``: ``impl(op_call, args, kwargs)`` into
+      ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op).
+    """
+
+    op: OpOverload
+    kind: RuleKind
+    impl: Callable[..., Any]
+    reason: str
+    schema_info: Any = None  # RuntimeSchemaInfo | None
+    enabled: Callable[[], bool] = _always
+
+
+@dataclasses.dataclass(frozen=True)
+class InstalledOverride:
+    """What :func:`installed` reports for one table entry we own."""
+
+    op: str
+    table: str
+    action: Literal["added", "replaced", "removed"]
+    reason: str
+
+
+class Registry:
+    """Applies a fixed sequence of :class:`Rule` s to DTensor's tables, and undoes it."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules: tuple[Rule, ...] = tuple(rules)
+        self._lock = threading.Lock()
+        # (table, op) -> object that was there before install (or _MISSING)
+        self._saved: dict[tuple[str, OpOverload], object] = {}
+        # (table, op) -> object we wrote (or _MISSING when we removed the entry)
+        self._written: dict[tuple[str, OpOverload], object] = {}
+        self._report: list[InstalledOverride] = []
+        self._installed = False
+
+    # ------------------------------------------------------------------ tables
+    @staticmethod
+    def _table(name: str) -> dict[OpOverload, Any] | None:
+        owner = _compat.dispatcher() if name == _HANDLERS else _compat.propagator()
+        table = getattr(owner, name, None)
+        return table if isinstance(table, dict) else None
+
+    def _write(self, name: str, op: OpOverload, value: object, rule: Rule) -> None:
+        table = self._table(name)
+        if table is None:  # this torch has no such table: nothing to override
+            return
+        key = (name, op)
+        before = table.get(op, _MISSING)
+        if key not in self._saved:
+            self._saved[key] = before
+        if value is _MISSING:
+            if before is _MISSING:
+                return
+            del table[op]
+            action = "removed"
+        else:
+            table[op] = value
+            action = "added" if self._saved[key] is _MISSING else "replaced"
+        self._written[key] = value
+        self._report.append(InstalledOverride(str(op), name, action, rule.reason))
+
+    def _apply(self, rule: Rule) -> None:
+        op = rule.op
+        if rule.kind == "strategy":
+            # single-dim strategies take precedence over op strategies
+            self._write(_SINGLE_DIM, op, _MISSING, rule)
+            self._write(_SINGLE_DIM_SCHEMA_INFO, op, _MISSING, rule)
+            self._write(_STRATEGY, op, rule.impl, rule)
+            if rule.schema_info is not None:
+                self._write(_SCHEMA_INFO, op, rule.schema_info, rule)
+        elif rule.kind == "single_dim":
+            table = self._table(_SINGLE_DIM)
+            original = None if table is None else table.get(op)
+            if original is None:
+                return
+            self._write(_SINGLE_DIM, op, rule.impl(original), rule)
+            if rule.schema_info is not None:
+                self._write(_SINGLE_DIM_SCHEMA_INFO, op, rule.schema_info, rule)
+        elif rule.kind == "handler":
+            self._write(_HANDLERS, op, rule.impl, rule)
+        else:  # pragma: no cover - guarded by the Literal type
+            raise ValueError(f"unknown rule kind {rule.kind!r}")
+
+    def _restore_all(self) -> None:
+        for (name, op), ours in reversed(list(self._written.items())):
+            table = self._table(name)
+            if table is None:
+                continue
+            current = table.get(op, _MISSING)
+            if current is not ours:
+                warnings.warn(
+                    f"qstate.dtensor_rules: {name}[{op}] was changed by someone else "
+                    "after install(); leaving their entry in place",
+                    stacklevel=3,
+                )
+                continue
+            before = self._saved[(name, op)]
+            if before is _MISSING:
+                table.pop(op, None)
+            else:
+                table[op] = before
+        self._saved.clear()
+        self._written.clear()
+        self._report.clear()
+
+    # --------------------------------------------------------------- public API
+    def install(self) -> None:
+        """Apply every enabled rule once; a second call is a no-op."""
+        with self._lock:
+            if self._installed:
+                return
+            try:
+                for rule in self.rules:
+                    if rule.enabled():
+                        self._apply(rule)
+                self._installed = True
+            except BaseException:
+                self._restore_all()
+                raise
+            finally:
+                _compat.clear_sharding_caches()
+
+    def uninstall(self) -> None:
+        """Put back every table entry ``install`` changed; a no-op if not installed."""
+        with self._lock:
+            if not self._installed:
+                return
+            try:
+                self._restore_all()
+            finally:
+                self._installed = False
+                _compat.clear_sharding_caches()
+
+    def is_installed(self) -> bool:
+        return self._installed
+
+    def installed(self) -> list[InstalledOverride]:
+        """One record per table entry currently owned by this registry."""
+        return list(self._report)

@@ -1,0 +1,20 @@
+"""Optimizers with quantized states: ``AdamW``, ``Adam``, ``Lion``, ``SGD`` and their functional forms.
+
+``qstate.optim.functional.{adam, adamw, lion, sgd}`` update caller-owned
+states; the classes are ``torch.optim.Optimizer`` subclasses sharing one base,
+:class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
+state_dict). The update math of each lives once in ``_rules.py`` and runs
+either as fused compiled kernels (``_kernels.py``) or eagerly op by op.
+"""
+
+from . import functional
+from ._base import PLAIN_FORMATS, STATE_FORMATS, QuantizedOptimizer
+from ._kernels import kernel_kinds
+from ._rounding import stochastic_round_bf16
+from ._rules import adam_bound, adam_update_bound
+from .optimizers import SGD, Adam, AdamW, Lion
+
+__all__ = [
+    "AdamW", "Adam", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",
+    "kernel_kinds", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
+]

@@ -1,0 +1,285 @@
+"""``QuantizedOptimizer``: the state plumbing shared by AdamW, Adam, Lion and SGD.
+
+A subclass names its :class:`~qstate.optim._rules.UpdateRule`, its defaults,
+argument checks and static flags; everything else lives here:
+
+* **policy** (per parameter, decided once, the same on every rank): a
+  parameter with ``p.numel() >= min_quantize_numel`` (the *global* numel: a
+  DTensor's ``numel()`` is already global) gets ``state_format`` states,
+  smaller ones get float32 states. Nothing else ever changes the format: a
+  block size the format rejects, a parameter dtype it cannot hold, a loaded
+  state of another kind all raise, naming the parameter (index in
+  ``state_dict`` order and shape), the expected and the actual.
+* **states**: created at the first step with ``qstate.zeros_like(p, fmt,
+  signed=..., block_size=..., dtype=float32)`` (DTensor parameters get DTensor
+  states) or ``torch.zeros_like(p, dtype=...)``; ``state["step"]`` is a
+  float32 CPU tensor as in ``torch.optim``.
+* **step**: :func:`qstate.optim.functional.apply_update` per group; ``lr`` may
+  be a float or a tensor on any device (converted once per step and device).
+* **stochastic rounding** of bfloat16 parameters: the random stream is the
+  optimizer's own (seeded by ``seed``, or drawn from the global generator at
+  construction), swapped in around the step and saved in ``state_dict()``
+  under ``"qstate"``, so a resumed run continues the same stream.
+* **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
+  (``torch.load(weights_only=True)`` works after ``import qstate``); loading
+  keeps their format and dtype (``torch.optim`` would cast states to the
+  parameter's dtype, which dequantizes) and moves them to the parameter's
+  device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from .._api import zeros_like as q_zeros_like
+from .._state import QuantizedState
+from ..formats import FORMATS, get_format
+from . import functional as F
+from ._rules import UpdateRule
+
+__all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS"]
+
+#: state formats that are plain tensors of a dtype
+PLAIN_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: parameter dtypes a quantized or bf16 state can serve (the math runs in float32)
+_LOW_PRECISION_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def STATE_FORMATS() -> list[str]:
+    """Every accepted ``state_format``: the registered quantized formats plus ``fp32``/``bf16``."""
+    return sorted(set(FORMATS) | set(PLAIN_FORMATS))
+
+
+class _Keep:
+    """Carries a state tensor through ``Optimizer.load_state_dict`` without its dtype cast."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Tensor):
+        self.value = value
+
+
+class QuantizedOptimizer(torch.optim.Optimizer):
+    """Base of qstate's optimizers. Subclasses set :attr:`rule` and implement :meth:`_flags`."""
+
+    rule: UpdateRule
+
+    def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
+                 min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int]):
+        name = type(self).__name__
+        defaults = dict(defaults)
+        defaults.update(state_format=state_format, block_size=block_size, min_quantize_numel=min_quantize_numel,
+                        bf16_stochastic_round=bf16_stochastic_round)
+        self._check_state_options(defaults, name)
+        if not isinstance(compile, bool):
+            raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
+        if seed is not None and not isinstance(seed, int):
+            raise TypeError(f"{name}: seed must be an int or None, got {seed!r}")
+        self.compile = compile
+        self._n_params = 0
+        super().__init__(params, defaults)
+        self._seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
+        self._rng_states: dict[str, Tensor] = {}
+        self.register_state_dict_post_hook(type(self)._save_extra)
+        self.register_load_state_dict_pre_hook(type(self)._load_pre)
+        self.register_load_state_dict_post_hook(type(self)._load_post)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _flags(self, group: dict) -> dict:
+        """Static flags of ``group`` (part of the compiled kernel's kind)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ policy
+    @staticmethod
+    def _check_state_options(group: dict, name: str) -> None:
+        fmt = group["state_format"]
+        if fmt not in FORMATS and fmt not in PLAIN_FORMATS:
+            raise ValueError(f"{name}: unknown state_format {fmt!r}; expected one of {STATE_FORMATS()}")
+        bs = group["block_size"]
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int)):
+            raise TypeError(f"{name}: block_size must be an int or None, got {bs!r}")
+        if bs is not None and fmt in PLAIN_FORMATS:
+            raise ValueError(f"{name}: block_size={bs} has no meaning for state_format={fmt!r} (plain states)")
+        n = group["min_quantize_numel"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name}: min_quantize_numel must be an int >= 0, got {n!r}")
+        if not isinstance(group["bf16_stochastic_round"], bool):
+            raise TypeError(f"{name}: bf16_stochastic_round must be a bool, got {group['bf16_stochastic_round']!r}")
+
+    def _describe(self, index: int, p: Tensor) -> str:
+        return f"{type(self).__name__}: param {index} (shape {tuple(p.shape)}, {p.dtype})"
+
+    def plan(self, p: Tensor, group: dict, index: int) -> tuple:
+        """The state kind of one parameter: ``("q", fmt, block_size)`` or ``("plain", dtype)``; raises if impossible."""
+        what = self._describe(index, p)
+        if not p.is_floating_point() or p.is_complex():
+            raise TypeError(f"{what}: expected a floating-point parameter")
+        if p.is_sparse:
+            raise TypeError(f"{what}: sparse parameters are not supported")
+        fmt = group["state_format"]
+        if fmt == "fp32" or p.numel() < group["min_quantize_numel"]:
+            return ("plain", torch.float32)
+        if p.dtype not in _LOW_PRECISION_PARAM_DTYPES:
+            raise TypeError(f"{what}: state_format={fmt!r} serves float32/bfloat16/float16 parameters, got {p.dtype}")
+        if fmt in PLAIN_FORMATS:
+            return ("plain", PLAIN_FORMATS[fmt])
+        f = get_format(fmt)
+        bs = f.default_block_size if group["block_size"] is None else group["block_size"]
+        try:
+            f.check_block_size(bs)
+        except ValueError as e:
+            raise ValueError(f"{what}: state_format={fmt!r} cannot use block_size={bs!r}: {e}") from None
+        return ("q", fmt, bs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._check_state_options(group, type(self).__name__)
+        self._check_group(group)
+        first = self._n_params
+        for i, p in enumerate(group["params"]):
+            self.plan(p, group, first + i)
+        self._n_params += len(group["params"])
+
+    def _check_group(self, group: dict) -> None:
+        """Subclasses validate their hyperparameters here (called for every group)."""
+
+    def _param_index(self) -> dict[Tensor, int]:
+        return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    # ------------------------------------------------------------------ states
+    def _new_states(self, p: Tensor, group: dict, index: int) -> dict:
+        kind = self.plan(p, group, index)
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for spec in self.rule.states(self._flags(group)):
+            if kind[0] == "q":
+                state[spec.name] = q_zeros_like(p.detach(), kind[1], signed=spec.signed, block_size=kind[2],
+                                                dtype=torch.float32)
+            else:
+                state[spec.name] = torch.zeros_like(p.detach(), dtype=kind[1], memory_format=torch.preserve_format)
+        return state
+
+    def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Tensor) -> None:
+        kind = self.plan(p, group, index)
+        what = f"{self._describe(index, p)}, state {name!r}"
+        local = value
+        if isinstance(value, QuantizedState):
+            got = f"{value.format} block_size={value.block_size}"
+        else:
+            got = f"plain {value.dtype}"
+        want = f"{kind[1]} block_size={kind[2]}" if kind[0] == "q" else f"plain {kind[1]}"
+        if got != want and type(local).__name__ != "DTensor":
+            raise ValueError(f"{what}: expected a {want} state (state_format={group['state_format']!r}, "
+                             f"min_quantize_numel={group['min_quantize_numel']}), got {got}")
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+
+    # ------------------------------------------------------------------ step
+    @contextlib.contextmanager
+    def _own_rng(self, devices: set[torch.device]):
+        """Run with this optimizer's random stream on ``devices`` (then restore the global one)."""
+        if not devices:
+            yield
+            return
+        devices = sorted(devices, key=str)
+        saved = [(d, _get_rng(d)) for d in devices]
+        try:
+            for d in devices:
+                key = str(d)
+                if key not in self._rng_states:
+                    gen = torch.Generator(device=d)
+                    gen.manual_seed(self._seed)
+                    self._rng_states[key] = gen.get_state()
+                _set_rng(d, self._rng_states[key])
+            yield
+            for d in devices:
+                self._rng_states[str(d)] = _get_rng(d)
+        finally:
+            for d, s in saved:
+                _set_rng(d, s)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = None
+        work = []
+        sr_devices: set[torch.device] = set()
+        for group in self.param_groups:
+            params, grads, states, steps = [], [], [], []
+            names = [s.name for s in self.rule.states(self._flags(group))]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    index = index or self._param_index()
+                    raise TypeError(f"{self._describe(index[p], p)}: sparse gradients are not supported")
+                state = self.state[p]
+                if not state:
+                    index = index or self._param_index()
+                    state.update(self._new_states(p, group, index[p]))
+                params.append(p)
+                grads.append(p.grad)
+                states.append([state[n] for n in names])
+                steps.append(state["step"])
+                if group["bf16_stochastic_round"] and p.dtype == torch.bfloat16:
+                    sr_devices.add(p.device)
+            if params:
+                work.append((group, params, grads, states, steps))
+        with self._own_rng(sr_devices):
+            for group, params, grads, states, steps in work:
+                F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
+                               lr=group["lr"], compile=self.compile,
+                               stochastic_round=group["bf16_stochastic_round"])
+        return loss
+
+    # ------------------------------------------------------------------ state_dict
+    def _save_extra(self, state_dict: dict) -> dict:
+        state_dict["qstate"] = {"seed": self._seed, "rng": {k: v.clone() for k, v in self._rng_states.items()}}
+        return state_dict
+
+    def _load_pre(self, state_dict: dict) -> dict:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("qstate", None)
+        if extra is not None:
+            self._seed = int(extra["seed"])
+            self._rng_states = {k: v.clone() for k, v in extra["rng"].items()}
+        state_dict["state"] = {
+            k: {n: (_Keep(v) if isinstance(v, Tensor) and n != "step" else v) for n, v in s.items()}
+            for k, s in state_dict["state"].items()
+        }
+        return state_dict
+
+    def _load_post(self) -> None:
+        index = self._param_index()
+        group_of = {p: g for g in self.param_groups for p in g["params"]}
+        for p, state in self.state.items():
+            for n, v in list(state.items()):
+                if isinstance(v, _Keep):
+                    value = v.value.to(p.device)
+                    if isinstance(p, Tensor) and p in group_of:
+                        self._check_state(p, group_of[p], index[p], n, value)
+                    state[n] = value
+
+
+def _get_rng(device: torch.device) -> Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device.index or 0)
+
+
+def _set_rng(device: torch.device, state: Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device.index or 0)
+
+
+_ = math

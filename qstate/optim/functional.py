@@ -1,0 +1,192 @@
+"""Functional optimizer steps over caller-owned states: ``adam``, ``adamw``, ``lion``, ``sgd``.
+
+Each function updates ``params`` and their states in place, like
+``torch.optim``'s functional API. States may be plain tensors (float32 or
+bfloat16), :class:`~qstate.QuantizedState` (build them with
+``qstate.zeros_like(p, fmt, signed=..., dtype=torch.float32)``; second
+moments unsigned) or DTensors over either. Other optimizer libraries can
+call these with their own state tensors.
+
+Paths
+-----
+* ``compile=True`` and a plain parameter whose states are all plain tensors
+  or all plain ``QuantizedState``: one fused compiled kernel per parameter
+  (decode -> update -> encode in one pass; one graph per kernel kind, see
+  ``_kernels.py``).
+* otherwise (``compile=False``, DTensors, mixed devices, views): the same
+  math eagerly, op by op. States are read with out-of-place math (plain
+  results) and written back with ``state.copy_(new)``, which requantizes a
+  quantized state in place into its own layout. Nothing here touches a
+  state's inner tensors or a DTensor's local tensor, so each op dispatches
+  through DTensor to the local ``QuantizedState``.
+
+Scalars: ``lr`` may be a Python float or a tensor on any device; a tensor is
+converted once per call and device (``lr.to(param.device, float32)``), never
+mixed across devices. Step counts (``state_steps``) are 0-dim tensors,
+incremented in place as in ``torch.optim``'s functional API, or Python ints
+(the 1-based index of this step, left as is).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ._kernels import KernelSpec, fusable, run_fused, state_entry
+from ._rounding import store_param
+from ._rules import RULES, UpdateRule
+
+__all__ = ["adam", "adamw", "lion", "sgd", "apply_update"]
+
+Scalar = Union[float, Tensor]
+
+
+class _Scalars:
+    """Per-call cache of the rule's scalars: floats per step, tensors per (device, step)."""
+
+    def __init__(self, rule: UpdateRule, group: dict, lr: Scalar):
+        self.rule, self.group, self.lr = rule, group, lr
+        self._floats: dict[int, dict] = {}
+        self._lr_on: dict[torch.device, Tensor] = {}
+        self._hyper: dict[tuple, Tensor] = {}
+
+    def floats(self, step: int) -> dict:
+        if step not in self._floats:
+            self._floats[step] = self.rule.scalars(self.group, step)
+        return self._floats[step]
+
+    def lr_on(self, device: torch.device) -> Tensor:
+        # once per device: an lr tensor on another device (e.g. the accelerator while the
+        # parameter is offloaded to the CPU) never meets the parameter in one op
+        if device not in self._lr_on:
+            self._lr_on[device] = self.lr.detach().to(device=device, dtype=torch.float32)
+        return self._lr_on[device]
+
+    def eager(self, step: int, device: torch.device) -> dict:
+        h = dict(self.floats(step))
+        h["lr"] = self.lr_on(device) if isinstance(self.lr, Tensor) else self.lr
+        return h
+
+    def hyper(self, step: int, device: torch.device) -> Tensor:
+        """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
+        key = (step, device)
+        if key not in self._hyper:
+            f = self.floats(step)
+            rest = [f[n] for n in self.rule.scalar_names[1:]]
+            if isinstance(self.lr, Tensor):
+                vec = torch.cat([self.lr_on(device).reshape(1),
+                                 torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True)])
+            else:
+                vec = torch.tensor([float(self.lr)] + rest, dtype=torch.float32).to(device, non_blocking=True)
+            self._hyper[key] = vec
+        return self._hyper[key]
+
+
+def _step_of(s: Union[int, Tensor]) -> int:
+    if isinstance(s, Tensor):
+        s += 1
+        return int(s.item())
+    return int(s)
+
+
+def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
+                 states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
+                 group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False) -> None:
+    """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order)."""
+    with torch.no_grad():
+        _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round)
+
+
+def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round) -> None:
+    scalars = _Scalars(rule, group, lr)
+    for p, g, st, s in zip(params, grads, states, state_steps):
+        step = _step_of(s)
+        st = list(st)
+        pflags = flags
+        sr = bool(stochastic_round) and p.dtype == torch.bfloat16
+        if compile and fusable(p, g, st):
+            spec = KernelSpec(rule.name, tuple(sorted(pflags.items())), p.dtype, sr,
+                              tuple(state_entry(x) for x in st), p.device.type)
+            run_fused(spec, p, g, st, scalars.hyper(step, p.device))
+            continue
+        h = scalars.eager(step, p.device)
+        p32 = p if p.dtype == torch.float32 else p.float()
+        g32 = g if g.dtype == torch.float32 else g.float()
+        # states are read with out-of-place math: quantized ones (appearance float32) give plain
+        # float32 values; a plain low-precision state is read as float32
+        readable = [x if x.dtype == torch.float32 else x.float() for x in st]
+        p_new, new = rule.math(p32, g32, readable, h, pflags)
+        for x, value in zip(st, new):
+            x.copy_(value)
+        store_param(p, p_new, sr)
+
+
+def _check_lists(what: str, **lists: Optional[Sequence]) -> None:
+    sizes = {k: len(v) for k, v in lists.items() if v is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"{what}: expected lists of one length, got lengths {sizes}")
+
+
+def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Union[int, Tensor]], *,
+         max_exp_avg_sqs: Optional[Sequence[Tensor]] = None, lr: Scalar, beta1: float, beta2: float,
+         eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
+         decoupled_weight_decay: bool = False, compile: bool = False, stochastic_round: bool = False) -> None:
+    """Adam (``torch.optim.Adam`` semantics); ``decoupled_weight_decay=True`` is AdamW.
+
+    The step keeps ``|m| <= K_t sqrt(v)``, a bound exact fp32 Adam always
+    satisfies (``qstate.optim.adam_update_bound``): with quantized moments read
+    back with independent errors no update exceeds what fp32 Adam could do;
+    with fp32 states it never binds.
+    """
+    _check_lists("adam", params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                 state_steps=state_steps, max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None)
+    if amsgrad and max_exp_avg_sqs is None:
+        raise ValueError("adam: amsgrad=True needs max_exp_avg_sqs")
+    states = [[m, v] + ([max_exp_avg_sqs[i]] if amsgrad else []) for i, (m, v) in enumerate(zip(exp_avgs, exp_avg_sqs))]
+    group = {"betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
+    flags = {"amsgrad": amsgrad, "maximize": maximize, "decoupled": decoupled_weight_decay}
+    apply_update(RULES["adam"], flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
+                 stochastic_round=stochastic_round)
+
+
+def adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+          exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Union[int, Tensor]], *,
+          max_exp_avg_sqs: Optional[Sequence[Tensor]] = None, lr: Scalar, beta1: float, beta2: float,
+          eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
+          compile: bool = False, stochastic_round: bool = False) -> None:
+    """AdamW (``torch.optim.AdamW`` semantics): Adam with decoupled weight decay."""
+    adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, max_exp_avg_sqs=max_exp_avg_sqs, lr=lr,
+         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+         decoupled_weight_decay=True, compile=compile, stochastic_round=stochastic_round)
+
+
+def lion(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         state_steps: Optional[Sequence[Union[int, Tensor]]] = None, *, lr: Scalar, beta1: float, beta2: float,
+         weight_decay: float, maximize: bool = False, compile: bool = False,
+         stochastic_round: bool = False) -> None:
+    """Lion (Chen et al., 2023): ``p -= lr * (sign(lerp(m, g, 1-b1)) + wd * p)``, ``m = lerp(m, g, 1-b2)``."""
+    _check_lists("lion", params=params, grads=grads, exp_avgs=exp_avgs, state_steps=state_steps)
+    steps = state_steps if state_steps is not None else [1] * len(params)
+    group = {"betas": (beta1, beta2), "weight_decay": weight_decay}
+    apply_update(RULES["lion"], {"maximize": maximize}, params, grads, [[m] for m in exp_avgs], steps, group,
+                 lr=lr, compile=compile, stochastic_round=stochastic_round)
+
+
+def sgd(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Optional[Tensor]],
+        state_steps: Sequence[Union[int, Tensor]], *, lr: Scalar, momentum: float, dampening: float = 0.0,
+        weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, compile: bool = False,
+        stochastic_round: bool = False) -> None:
+    """SGD with momentum (``torch.optim.SGD`` semantics).
+
+    The momentum buffers start as zeros (quantized or plain); at step 1 the
+    buffer becomes the gradient, as ``torch.optim.SGD``'s first-step clone.
+    """
+    _check_lists("sgd", params=params, grads=grads, momentum_buffers=momentum_buffers, state_steps=state_steps)
+    group = {"momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
+    states = [[b] if momentum else [] for b in momentum_buffers]
+    flags = {"maximize": maximize, "momentum": bool(momentum), "nesterov": nesterov}
+    apply_update(RULES["sgd"], flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
+                 stochastic_round=stochastic_round)

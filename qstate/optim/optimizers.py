@@ -1,0 +1,146 @@
+"""``AdamW``, ``Adam``, ``Lion``, ``SGD``: :class:`QuantizedOptimizer` plus arguments and flags.
+
+Common keyword-only arguments (see ``_base.py`` for the policy):
+
+* ``state_format``: ``"8bit"``, ``"4bit"``, ``"fp8"`` (quantized states,
+  :class:`~qstate.QuantizedState`), ``"bf16"`` or ``"fp32"`` (plain states);
+* ``block_size``: quantization block size (default: the format's);
+* ``min_quantize_numel`` (4096): parameters with fewer elements keep float32
+  states;
+* ``bf16_stochastic_round``: write bfloat16 parameters with unbiased
+  stochastic rounding (the optimizer's own, saved, random stream);
+* ``compile`` (True): fused compiled kernels for plain tensors and plain
+  quantized states (one graph per kernel kind); ``False`` runs the same math
+  eagerly op by op (the path DTensor states always take);
+* ``seed``: seed of the stochastic-rounding stream (default: drawn from the
+  global generator at construction).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+from torch import Tensor
+
+from ._base import QuantizedOptimizer
+from ._rules import RULES
+
+__all__ = ["AdamW", "Adam", "Lion", "SGD"]
+
+_LR = Union[float, Tensor]
+
+
+def _check_lr(name: str, lr) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{name}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
+        return
+    if not 0.0 <= lr:
+        raise ValueError(f"{name}: invalid learning rate: {lr}")
+
+
+def _check_betas(name: str, betas) -> None:
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{name}: invalid betas {tuple(betas)}: expected two values in [0, 1)")
+
+
+def _check_non_negative(name: str, what: str, value: float) -> None:
+    if not 0.0 <= value:
+        raise ValueError(f"{name}: invalid {what}: {value}")
+
+
+class Adam(QuantizedOptimizer):
+    """Adam with quantized moments (``torch.optim.Adam`` arguments and semantics)."""
+
+    rule = RULES["adam"]
+    _decoupled_default = False
+
+    def __init__(self, params: Iterable, lr: _LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 decoupled_weight_decay: Optional[bool] = None, state_format: str = "8bit",
+                 block_size: Optional[int] = None, min_quantize_numel: int = 4096,
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+        decoupled = self._decoupled_default if decoupled_weight_decay is None else decoupled_weight_decay
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, decoupled_weight_decay=decoupled)
+        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
+                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
+                         compile=compile, seed=seed)
+
+    def _check_group(self, group: dict) -> None:
+        name = type(self).__name__
+        _check_lr(name, group["lr"])
+        _check_betas(name, group["betas"])
+        _check_non_negative(name, "epsilon value", group["eps"])
+        _check_non_negative(name, "weight_decay value", group["weight_decay"])
+
+    def _flags(self, group: dict) -> dict:
+        return {"amsgrad": bool(group["amsgrad"]), "maximize": bool(group["maximize"]),
+                "decoupled": bool(group["decoupled_weight_decay"])}
+
+
+class AdamW(Adam):
+    """AdamW with quantized moments (``torch.optim.AdamW`` arguments and semantics)."""
+
+    _decoupled_default = True
+
+    def __init__(self, params: Iterable, lr: _LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True, state_format=state_format, block_size=block_size,
+                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
+                         compile=compile, seed=seed)
+
+
+class Lion(QuantizedOptimizer):
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms") with a quantized momentum."""
+
+    rule = RULES["lion"]
+
+    def __init__(self, params: Iterable, lr: _LR = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, maximize: bool = False, state_format: str = "8bit",
+                 block_size: Optional[int] = None, min_quantize_numel: int = 4096,
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
+                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
+                         compile=compile, seed=seed)
+
+    def _check_group(self, group: dict) -> None:
+        name = type(self).__name__
+        _check_lr(name, group["lr"])
+        _check_betas(name, group["betas"])
+        _check_non_negative(name, "weight_decay value", group["weight_decay"])
+
+    def _flags(self, group: dict) -> dict:
+        return {"maximize": bool(group["maximize"])}
+
+
+class SGD(QuantizedOptimizer):
+    """SGD with a quantized momentum buffer (``torch.optim.SGD`` arguments and semantics)."""
+
+    rule = RULES["sgd"]
+
+    def __init__(self, params: Iterable, lr: _LR = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize)
+        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
+                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
+                         compile=compile, seed=seed)
+
+    def _check_group(self, group: dict) -> None:
+        name = type(self).__name__
+        _check_lr(name, group["lr"])
+        _check_non_negative(name, "momentum value", group["momentum"])
+        _check_non_negative(name, "weight_decay value", group["weight_decay"])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"{name}: nesterov momentum requires a momentum and zero dampening")
+
+    def _flags(self, group: dict) -> dict:
+        return {"maximize": bool(group["maximize"]), "momentum": group["momentum"] != 0,
+                "nesterov": bool(group["nesterov"])}

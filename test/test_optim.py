@@ -1,0 +1,410 @@
+"""qstate.optim: parity with torch.optim, quantized states, compile-once kernels, errors, state_dict, RNG."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import expecttest
+import pytest
+import torch
+
+import qstate
+from qstate.formats import FORMATS, get_format
+from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound
+from qstate.optim import functional as F
+from qstate.optim._codec import get_codec
+from test_optim_cases import SHAPES, clone_params, grads, params, run_steps
+
+
+def _err(fn) -> str:
+    with pytest.raises(Exception) as info:
+        fn()
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def _train_pair(ref_opt, our_opt, steps=5, shapes=SHAPES, mixed=False, dtype=torch.float32):
+    a = params(shapes, dtype)
+    b = clone_params(a)
+    run_steps(ref_opt, a, steps, mixed)
+    opt = run_steps(our_opt, b, steps, mixed)
+    return a, b, opt
+
+
+# ------------------------------------------------------------------ parity with torch.optim (fp32 states)
+TORCH_CASES = [
+    (torch.optim.AdamW, AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, AdamW, dict(lr=1e-2, betas=(0.8, 0.99), amsgrad=True, maximize=True)),
+    (torch.optim.Adam, Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.Adam, Adam, dict(lr=1e-2, amsgrad=True, eps=1e-6)),
+    (torch.optim.SGD, SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)),
+    (torch.optim.SGD, SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, maximize=True)),
+    (torch.optim.SGD, SGD, dict(lr=1e-2, momentum=0.5, dampening=0.3)),
+    (torch.optim.SGD, SGD, dict(lr=1e-2)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TORCH_CASES)))
+def test_fp32_eager_matches_torch_exactly(case):
+    ref_cls, cls, kw = TORCH_CASES[case]
+    a, b, _ = _train_pair(lambda ps: ref_cls(ps, foreach=False, **kw),
+                          lambda ps: cls(ps, state_format="fp32", compile=False, **kw), mixed=True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_fp32_compiled_matches_torch():
+    a, b, _ = _train_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                          lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, state_format="fp32", compile=True))
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def _lion_reference(ps, steps, lr, betas, wd):
+    ms = [torch.zeros_like(p) for p in ps]
+    for i in range(steps):
+        for p, m, g in zip(ps, ms, grads(ps, i)):
+            with torch.no_grad():
+                p.mul_(1 - lr * wd)
+                p.add_(torch.sign(betas[0] * m + (1 - betas[0]) * g), alpha=-lr)
+                m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
+
+
+def test_lion_matches_reference():
+    a = params()
+    b = clone_params(a)
+    _lion_reference(a, 5, 1e-3, (0.9, 0.99), 0.1)
+    run_steps(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1, state_format="fp32", compile=False), b, 5)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ quantized states
+@pytest.mark.parametrize("fmt", sorted(FORMATS) + ["bf16"])
+def test_quantized_states_close_to_fp32(fmt):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    a, b, opt = _train_pair(lambda ps: torch.optim.AdamW(ps, **kw),
+                            lambda ps: AdamW(ps, state_format=fmt, min_quantize_numel=64, compile=False, **kw))
+    for x, y, s in zip(a, b, SHAPES):
+        state = opt.state[y]["exp_avg"]
+        if math.prod(s) >= 64:
+            assert isinstance(state, qstate.QuantizedState) if fmt in FORMATS else state.dtype == torch.bfloat16
+        else:
+            assert type(state) is torch.Tensor and state.dtype == torch.float32
+        # 5 steps of ~lr (1e-2) each: 8-bit-like states stay within half of that, 4-bit within it
+        assert (x - y).abs().max() < (5e-2 if fmt == "4bit" else 2.5e-2), (fmt, s)
+
+
+def test_policy_uses_numel_and_never_falls_back():
+    ps = params([(64, 64), (63, 65), (10,)])
+    opt = AdamW(ps, state_format="4bit", min_quantize_numel=4096, compile=False)
+    for p, g in zip(ps, grads(ps, 0)):
+        p.grad = g
+    opt.step()
+    kinds = [type(opt.state[p]["exp_avg_sq"]).__name__ for p in ps]
+    assert kinds == ["QuantizedState", "Tensor", "Tensor"]
+    q = opt.state[ps[0]]["exp_avg_sq"]
+    assert (q.format, q.signed, q.block_size, q.dtype) == ("4bit", False, 128, torch.float32)
+    assert opt.state[ps[0]]["exp_avg"].signed
+
+
+def test_compiled_quantized_matches_eager():
+    for fmt in ("8bit", "4bit"):
+        a = params()
+        b = clone_params(a)
+        oe = run_steps(lambda ps: AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=0, compile=False), a, 3, True)
+        oc = run_steps(lambda ps: AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=0, compile=True), b, 3, True)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+            for name in ("exp_avg", "exp_avg_sq"):
+                qe, qc = oe.state[x][name], oc.state[y][name]
+                assert (qe.codes == qc.codes).float().mean() > 0.999
+                torch.testing.assert_close(qc.dequantize(), qe.dequantize(), rtol=1e-2, atol=1e-6)
+
+
+def test_one_graph_per_kernel_kind_not_per_shape():
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    shapes = [(33, 71), (1000,), (5, 3, 7), (64, 256), (7, 513), (2, 2, 2, 300), (4096,), (1,)]
+    run_steps(lambda ps: AdamW(ps, lr=1e-2, state_format="8bit", min_quantize_numel=0, compile=True),
+              params(shapes), 2)
+    run_steps(lambda ps: AdamW(ps, lr=1e-3, betas=(0.5, 0.9), state_format="8bit", min_quantize_numel=0),
+              params([(300, 3), (17,)]), 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("signed", [True, False])
+def test_codec_encode_equals_format_code_of(fmt, signed):
+    f = get_format(fmt)
+    codec = get_codec(fmt, signed, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(200_000, generator=g) * 10 ** (torch.rand(200_000, generator=g) * 9 - 8)
+    y = (y / y.abs().max()) * f.max_code
+    extra = [torch.tensor([0.0, -0.0, f.max_code, -f.max_code, 1e-30, -1e-30, 2.0**-24, 2.0**-30])]
+    if codec.qmap is not None:
+        q = codec.qmap
+        mids = (q[1:] + q[:-1]) / 2
+        extra += [q, mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))]
+    y = torch.cat([y] + extra).clamp(-f.max_code, f.max_code)
+    if not signed:
+        y = y.abs()
+    want = f.code_of(y, signed, f.make_qmap(signed))
+    assert torch.equal(codec.encode(y, codec.tables), want)
+    assert torch.equal(codec.decode(want, codec.tables), f.value_of(want, f.make_qmap(signed)))
+
+
+# ------------------------------------------------------------------ quality: bounded updates
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_update_never_exceeds_fp32_adam_bound(fmt):
+    lr, betas = 1e-2, (0.9, 0.999)
+    worst = []
+
+    def check(i, before, ps, opt):
+        bound = adam_update_bound(*betas, i + 1)
+        ratio = max(float(((p.detach() - b).abs() / lr).max()) for p, b in zip(ps, before))
+        worst.append(ratio / bound)
+
+    ps = params([(16, 512), (4096,)])
+    run_steps(lambda p: AdamW(p, lr=lr, betas=betas, weight_decay=0.0, state_format=fmt, min_quantize_numel=0,
+                              compile=False), ps, 30, mixed=True, on_step=check)
+    assert max(worst) <= 1.0 + 1e-4, max(worst)
+
+
+def test_tiny_second_moment_never_decodes_as_zero():
+    # one huge and many tiny gradients per block, then zero gradients: v decays, m/sqrt(v) must stay bounded
+    p = torch.nn.Parameter(torch.zeros(4, 256))
+    opt = AdamW([p], lr=1.0, weight_decay=0.0, state_format="8bit", min_quantize_numel=0, compile=False)
+    g = torch.full((4, 256), 1e-7)
+    g[:, 0] = 1e4
+    for step in range(20):
+        before = p.detach().clone()
+        p.grad = g if step < 3 else torch.zeros_like(g)
+        opt.step()
+        assert float((p.detach() - before).abs().max()) <= adam_update_bound(0.9, 0.999, step + 1) * (1 + 1e-4)
+    v = opt.state[p]["exp_avg_sq"].dequantize()
+    assert bool((v > 0).all())
+
+
+# ------------------------------------------------------------------ lr: floats, tensors, schedulers, devices
+def test_tensor_lr_and_schedulers():
+    a, b = params([(64, 80)]), None
+    b = clone_params(a)
+    c = clone_params(a)
+    ref = torch.optim.AdamW(a, lr=1e-2)
+    ours = AdamW(b, lr=torch.tensor(1e-2), state_format="fp32", compile=False)
+    ours_c = AdamW(c, lr=1e-2, state_format="fp32", compile=True)
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4) for o in (ref, ours, ours_c)]
+    for i in range(4):
+        for ps, o, s in zip((a, b, c), (ref, ours, ours_c), scheds):
+            for p, g in zip(ps, grads(ps, i)):
+                p.grad = g
+            o.step()
+            s.step()
+    ours.param_groups[0]["lr"] = 0.5  # a float lr replacing a tensor one
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c[0], a[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_accelerator_lr_with_cpu_params_never_mixes_devices(quantized):
+    # the FSDP2 + CPUOffloadPolicy case: a 0-dim lr tensor on the accelerator, parameters and
+    # states on the CPU. FakeTensor runs the real device checks without an accelerator.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        p = torch.empty(64, 96)
+        g = torch.empty(64, 96)
+        m = qstate.zeros_like(p, "8bit") if quantized else torch.zeros_like(p)
+        v = qstate.zeros_like(p, "8bit", signed=False) if quantized else torch.zeros_like(p)
+        lr = torch.empty((), device="cuda")
+        with pytest.raises(Exception, match="devices"):
+            p.mul(lr)  # what a step that forgot to move lr would hit
+        for fn in (F.adamw, F.adam):
+            fn([p], [g], [m], [v], [1], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+        F.lion([p], [g], [m], [3], lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1)
+        F.sgd([p], [g], [m], [2], lr=lr, momentum=0.9, nesterov=True, weight_decay=0.1)
+        assert p.device.type == "cpu" and m.device.type == "cpu"
+
+
+def test_accelerator_lr_reaches_compiled_kernels_on_the_param_device():
+    # the compiled path takes one scalar vector, built on the parameter's device
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qstate.optim.functional import _Scalars
+    from qstate.optim._rules import RULES
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        lr = torch.empty((), device="cuda")
+        s = _Scalars(RULES["adam"], {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, lr)
+        hyper = s.hyper(3, torch.device("cpu"))
+        assert hyper.device.type == "cpu" and hyper.shape == (len(RULES["adam"].scalar_names),)
+        assert s.eager(3, torch.device("cpu"))["lr"].device.type == "cpu"
+
+
+# ------------------------------------------------------------------ bf16 stochastic rounding
+def test_stochastic_rounding_is_unbiased_and_reproducible():
+    x = torch.full((200_000,), 1.0 + 2.0**-10)  # between two bf16 values (1 and 1 + 2**-7)
+    torch.manual_seed(0)
+    r = qstate.optim.stochastic_round_bf16(x)
+    assert set(r.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs(float(r.double().mean()) - (1.0 + 2.0**-10)) < 3e-5
+    y = -torch.rand(100_000) * 100
+    torch.manual_seed(1)
+    assert abs(float(qstate.optim.stochastic_round_bf16(y).double().mean() - y.double().mean())) < 1e-3
+    torch.manual_seed(1)
+    assert torch.equal(qstate.optim.stochastic_round_bf16(y), qstate.optim.stochastic_round_bf16(y)) is False
+    torch.manual_seed(1)
+    a = qstate.optim.stochastic_round_bf16(y)
+    torch.manual_seed(1)
+    assert torch.equal(a, qstate.optim.stochastic_round_bf16(y))
+
+
+def _bf16_run(steps, seed, sr, compile=False, state=None):
+    p = torch.nn.Parameter(torch.ones(256, 64, dtype=torch.bfloat16))
+    opt = SGD([p], lr=2.0**-12, state_format="fp32", bf16_stochastic_round=sr, seed=seed, compile=compile)
+    if state is not None:
+        opt.load_state_dict(state)
+    for _ in range(steps):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    return p, opt
+
+
+def test_bf16_stochastic_rounding_expected_value_and_resume():
+    # each step moves 1.0 by 2**-12, far below bf16's spacing (2**-7 below 2, 2**-8 below 1):
+    # round-to-nearest never moves; stochastic rounding matches fp32 math on average
+    p_rn, _ = _bf16_run(16, 0, sr=False)
+    assert bool((p_rn == 1).all())
+    p_sr, opt = _bf16_run(16, 0, sr=True)
+    assert abs(float(p_sr.double().mean()) - (1 - 16 * 2.0**-12)) < 2e-4
+    again, _ = _bf16_run(16, 0, sr=True)
+    assert torch.equal(again, p_sr)
+    other, _ = _bf16_run(16, 1, sr=True)
+    assert not torch.equal(other, p_sr)
+    # resume: 8 steps, save, 8 more in a new optimizer == 16 in one run
+    half, opt8 = _bf16_run(8, 0, sr=True)
+    buf = io.BytesIO()
+    torch.save({"p": half.detach(), "opt": opt8.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    q = torch.nn.Parameter(ckpt["p"].clone())
+    opt2 = SGD([q], lr=2.0**-12, state_format="fp32", bf16_stochastic_round=True, seed=123, compile=False)
+    opt2.load_state_dict(ckpt["opt"])
+    for _ in range(8):
+        q.grad = torch.ones_like(q)
+        opt2.step()
+    assert torch.equal(q, p_sr)
+    # the global stream is left alone
+    torch.manual_seed(5)
+    a = torch.rand(3)
+    torch.manual_seed(5)
+    _bf16_run(2, 0, sr=True)
+    assert torch.equal(torch.rand(3), a)
+
+
+def test_bf16_stochastic_rounding_compiled_mean():
+    p, _ = _bf16_run(16, 0, sr=True, compile=True)
+    assert abs(float(p.double().mean()) - (1 - 16 * 2.0**-12)) < 2e-4
+    again, _ = _bf16_run(16, 0, sr=True, compile=True)
+    assert torch.equal(again, p)
+
+
+def test_step_path_never_unwraps_dtensors():
+    import pathlib
+
+    src = pathlib.Path(qstate.optim.__file__).parent
+    for f in src.glob("*.py"):
+        text = f.read_text()
+        for word in ("to_local(", "_local_tensor", "from_local("):
+            assert word not in text, (f.name, word)
+
+
+# ------------------------------------------------------------------ state_dict
+@pytest.mark.parametrize("cls,kw", [(AdamW, dict(amsgrad=True)), (Lion, {}), (SGD, dict(momentum=0.9))])
+def test_state_dict_round_trip(cls, kw):
+    ps = params([(64, 100), (10,)], dtype=torch.bfloat16)
+    opt = run_steps(lambda p: cls(p, lr=1e-2, state_format="4bit", min_quantize_numel=100, compile=False, **kw),
+                    ps, 3)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    ps2 = clone_params(ps)
+    opt2 = cls(ps2, lr=1e-2, state_format="4bit", min_quantize_numel=100, compile=False, **kw)
+    opt2.load_state_dict(loaded)
+    for p, p2 in zip(ps, ps2):
+        for name, value in opt.state[p].items():
+            got = opt2.state[p2][name]
+            assert type(got) is type(value)
+            if isinstance(value, qstate.QuantizedState):
+                assert (got.format, got.block_size, got.dtype) == (value.format, value.block_size, torch.float32)
+                assert torch.equal(got.codes, value.codes) and torch.equal(got.scale, value.scale)
+            else:
+                assert got.dtype == value.dtype and torch.equal(got, value)
+    for o, pp in ((opt, ps), (opt2, ps2)):
+        for p, g in zip(pp, grads(pp, 9)):
+            p.grad = g
+        o.step()
+    for p, p2 in zip(ps, ps2):
+        assert torch.equal(p, p2)
+
+
+class TestErrors(expecttest.TestCase):
+    def test_bad_arguments(self):
+        ps = params([(64, 64), (3, 5)])
+        self.assertExpectedInline(_err(lambda: AdamW(ps, state_format="3bit")), """\
+ValueError: AdamW: unknown state_format '3bit'; expected one of ['4bit', '8bit', 'bf16', 'fp32', 'fp8']""")
+        self.assertExpectedInline(_err(lambda: AdamW(ps, state_format="4bit", block_size=33, min_quantize_numel=10)), """\
+ValueError: AdamW: param 0 (shape (64, 64), torch.float32): state_format='4bit' cannot use block_size=33: format '4bit': block_size must be even (two codes per byte), got 33""")
+        self.assertExpectedInline(_err(lambda: Lion(ps, block_size=0, min_quantize_numel=0)), """\
+ValueError: Lion: param 0 (shape (64, 64), torch.float32): state_format='8bit' cannot use block_size=0: format '8bit': block_size must be a positive int, got 0""")
+        self.assertExpectedInline(_err(lambda: SGD(ps, state_format="fp32", block_size=64)), """\
+ValueError: SGD: block_size=64 has no meaning for state_format='fp32' (plain states)""")
+        self.assertExpectedInline(_err(lambda: AdamW(ps, min_quantize_numel=-1)), """\
+ValueError: AdamW: min_quantize_numel must be an int >= 0, got -1""")
+        self.assertExpectedInline(_err(lambda: AdamW(ps, lr=-1.0)), """\
+ValueError: AdamW: invalid learning rate: -1.0""")
+        self.assertExpectedInline(_err(lambda: Adam(ps, betas=(0.9, 1.0))), """\
+ValueError: Adam: invalid betas (0.9, 1.0): expected two values in [0, 1)""")
+        self.assertExpectedInline(_err(lambda: SGD(ps, nesterov=True)), """\
+ValueError: SGD: nesterov momentum requires a momentum and zero dampening""")
+        self.assertExpectedInline(_err(lambda: AdamW(ps, bf16_stochastic_round=1)), """\
+TypeError: AdamW: bf16_stochastic_round must be a bool, got 1""")
+        ints = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+        self.assertExpectedInline(_err(lambda: AdamW(ints, min_quantize_numel=0)), """\
+TypeError: AdamW: param 0 (shape (3,), torch.float64): state_format='8bit' serves float32/bfloat16/float16 parameters, got torch.float64""")
+
+    def test_load_state_of_another_kind(self):
+        ps = params([(64, 100)])
+        opt = run_steps(lambda p: AdamW(p, state_format="8bit", min_quantize_numel=0, compile=False), ps, 1)
+        other = AdamW(clone_params(ps), state_format="4bit", min_quantize_numel=0, compile=False)
+        sd = opt.state_dict()
+        # loading restores the checkpoint's groups (state_format included); states that do not
+        # match their group's policy are an error, never converted
+        sd["param_groups"][0]["state_format"] = "4bit"
+        self.assertExpectedInline(_err(lambda: other.load_state_dict(sd)), """\
+ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit block_size=128 state (state_format='4bit', min_quantize_numel=0), got 8bit block_size=256""")
+
+    def test_sparse_grad(self):
+        p = torch.nn.Parameter(torch.zeros(10, 3))
+        opt = SGD([p], momentum=0.9, compile=False)
+        p.grad = torch.zeros(10, 3).to_sparse()
+        self.assertExpectedInline(_err(opt.step), """\
+TypeError: SGD: param 0 (shape (10, 3), torch.float32): sparse gradients are not supported""")
+
+
+def test_functional_with_own_states():
+    # another library's loop: its own state tensors, quantized or plain, and int steps
+    p = torch.nn.Parameter(torch.randn(32, 300))
+    ref = torch.nn.Parameter(p.detach().clone())
+    m, v = qstate.zeros_like(p, "8bit"), qstate.zeros_like(p, "8bit", signed=False)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2)
+    for i in range(3):
+        g = grads([p], i)[0]
+        F.adamw([p], [g], [m], [v], [i + 1], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+        ref.grad = g
+        torch_opt.step()
+    assert (p - ref).abs().max() < 3e-2 and isinstance(m, qstate.QuantizedState)
+    ref_m = torch_opt.state[ref]["exp_avg"]
+    assert (m.dequantize() - ref_m).abs().max() <= 0.02 * ref_m.abs().max()
