@@ -166,3 +166,51 @@ def test_dcp_load_rejects_another_format(tmp_path):
     run_distributed(dcp_save_body, 2, path, "8bit")
     run_distributed(dcp_load_wrong_format_body, 3, path, "4bit")
     run_distributed(dcp_load_via_qstate_body, 3, path, "8bit")
+
+
+def _trained(fmt: str):
+    import qstate.optim
+
+    model = _shard(_model())
+    opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, state_format=fmt, min_quantize_numel=100, compile=False)
+    torch.manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(4, 129)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _full_states(opt) -> list:
+    out = []
+    for st in opt.state.values():
+        for k in sorted(st):
+            v = st[k]
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                f = v.full_tensor()
+                out.append(f.dequantize() if hasattr(f, "codes") else f)
+    return out
+
+
+def optimizer_state_dict_body(rank: int, world_size: int, fmt: str) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, opt = _trained(fmt)
+    expect = _full_states(opt)
+    for full in (True, False):
+        options = StateDictOptions(full_state_dict=full)
+        sd = get_optimizer_state_dict(model, opt, options=options)
+        model2 = _shard(_model())
+        import qstate.optim
+
+        opt2 = qstate.optim.AdamW(model2.parameters(), lr=1e-2, state_format=fmt, min_quantize_numel=100,
+                                  compile=False)
+        set_optimizer_state_dict(model2, opt2, sd, options=options)
+        got = _full_states(opt2)
+        assert len(got) == len(expect) and all(torch.equal(a, b) for a, b in zip(got, expect)), full
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_get_set_optimizer_state_dict_full_and_sharded(world_size):
+    run_distributed(optimizer_state_dict_body, world_size, "8bit")

@@ -11,6 +11,7 @@ import torch
 
 from .._state import QuantizedState
 from ._registry import register
+from ._util import check_same_kind
 
 import torch.distributed._functional_collectives  # noqa: F401  (defines _wrap_tensor_autograd)
 
@@ -47,4 +48,40 @@ def _already_waited(func, args, kwargs):
     return args[0]
 
 
-_ = QuantizedState
+_PARTS = ("codes", "scale")
+
+
+def _check_same_layout(out: QuantizedState, sources: list, op: str) -> None:
+    for src in sources:
+        if not isinstance(src, QuantizedState):
+            raise TypeError(f"{op}: expected a QuantizedState like [{out.describe()}], got {type(src).__name__}")
+        check_same_kind(op, out, src)
+        if src.codes.shape != out.codes.shape or src.scale.shape != out.scale.shape:
+            raise ValueError(f"{op}: expected a state stored like [{out.describe()}], got [{src.describe()}]")
+
+
+# distribute_tensor(full_state, mesh, [Shard(0)]) (set_optimizer_state_dict with full state dicts):
+# the root's equal-size (padded) row chunks go one per rank, part by part, then the work is waited
+@register(torch.ops.c10d.scatter_.default)
+def _scatter(func, args, kwargs):
+    outputs, inputs, pg, root, *rest = args
+    for out in outputs:
+        for chunks in inputs:
+            _check_same_layout(out, chunks, "scatter")
+    work = None
+    for part in _PARTS:
+        _, work = func([getattr(o, part) for o in outputs],
+                       [[getattr(c, part) for c in chunks] for chunks in inputs], pg, root, *rest, **kwargs)
+        work.wait()
+    return outputs, work
+
+
+# distribute_tensor(full_state, mesh, [Replicate()]): every rank receives the root's parts
+@register(torch.ops.c10d.broadcast_.default)
+def _broadcast(func, args, kwargs):
+    tensors, pg, root, root_tensor, *rest = args
+    work = None
+    for part in _PARTS:
+        _, work = func([getattr(t, part) for t in tensors], pg, root, root_tensor, *rest, **kwargs)
+        work.wait()
+    return tensors, work
