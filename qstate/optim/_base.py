@@ -16,6 +16,11 @@ argument checks and static flags; everything else lives here:
   float32 CPU tensor as in ``torch.optim``.
 * **step**: :func:`qstate.optim.functional.apply_update` per group; ``lr`` may
   be a float or a tensor on any device (converted once per step and device).
+* **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
+  ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
+  instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
+  update unscales the gradient as it reads it, and a nonzero ``found_inf``
+  skips the step before anything (states, step counts) is created or written.
 * **stochastic rounding** of bfloat16 parameters: the random stream is the
   optimizer's own (seeded by ``seed``, or drawn from the global generator at
   construction), swapped in around the step and saved in ``state_dict()``
@@ -68,6 +73,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     """Base of qstate's optimizers. Subclasses set :attr:`rule` and implement :meth:`_flags`."""
 
     rule: UpdateRule
+    #: torch.amp.GradScaler passes grad_scale/found_inf instead of unscaling the gradients
+    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int]):
@@ -204,11 +211,17 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 _set_rng(d, s)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
+             found_inf: Optional[Tensor] = None) -> Optional[float]:
+        """One step. ``grad_scale``/``found_inf`` default to the attributes a ``GradScaler`` sets."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
+        found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
+        if F.skip_step(found_inf):
+            return loss
         index = None
         work = []
         sr_devices: set[torch.device] = set()
@@ -237,7 +250,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for group, params, grads, states, steps in work:
                 F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
                                lr=group["lr"], compile=self.compile,
-                               stochastic_round=group["bf16_stochastic_round"])
+                               stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
         return loss
 
     # ------------------------------------------------------------------ state_dict

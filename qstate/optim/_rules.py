@@ -42,9 +42,10 @@ class UpdateRule:
     name: str
     #: states given the static flags (e.g. ``max_exp_avg_sq`` only with amsgrad)
     states: Callable[[dict], tuple[StateSpec, ...]]
-    #: names of the per-step scalars, in the order of the compiled kernels' ``hyper`` vector
+    #: names of the per-step scalars, in the order of the compiled kernels' ``hyper`` vector;
+    #: ``("lr", "grad_unscale", ...)``: those two may be tensors and are filled in by the caller
     scalar_names: tuple[str, ...]
-    #: ``scalars(group, step) -> {name: float}`` (``lr`` is filled in by the caller)
+    #: ``scalars(group, step) -> {name: float}`` for the names after ``lr`` and ``grad_unscale``
     scalars: Callable[[dict, int], dict[str, float]]
     math: Callable[..., tuple[Tensor, list[Tensor]]]
 
@@ -64,6 +65,18 @@ def _addcmul(x: Tensor, a: Tensor, b: Tensor, value: Any) -> Tensor:
 
 def _addcdiv(x: Tensor, a: Tensor, b: Tensor, value: Any) -> Tensor:
     return x + value * (a / b) if _is_t(value) else x.addcdiv(a, b, value=value)
+
+
+def _gradient(g: Tensor, h: dict, flags: dict) -> Tensor:
+    """The gradient the rule follows: unscaled by ``grad_unscale`` (AMP), negated if ``maximize``.
+
+    ``grad_unscale`` is ``1 / grad_scale`` of a gradient scaler (``1.0`` without one): the unscale is
+    fused into the update, so the scaled gradient is read once and never written.
+    """
+    inv = h["grad_unscale"]
+    if _is_t(inv) or inv != 1.0:
+        g = g * inv
+    return -g if flags["maximize"] else g
 
 
 # ---------------------------------------------------------------- Adam / AdamW
@@ -108,8 +121,7 @@ def _adam_scalars(group: dict, step: int) -> dict[str, float]:
 def _adam_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: dict) -> tuple[Tensor, list[Tensor]]:
     exp_avg, exp_avg_sq = states[0], states[1]
     lr, wd = h["lr"], h["weight_decay"]
-    if flags["maximize"]:
-        g = -g
+    g = _gradient(g, h, flags)
     if _is_t(wd) or wd != 0:
         if flags["decoupled"]:
             p = p * (1 - lr * wd) if _is_t(wd) or _is_t(lr) else p.mul(1 - lr * wd)
@@ -134,7 +146,8 @@ def _adam_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: d
 
 ADAM = UpdateRule(
     "adam", _adam_states,
-    ("lr", "beta1", "beta2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt", "m_bound"),
+    ("lr", "grad_unscale", "beta1", "beta2", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt",
+     "m_bound"),
     _adam_scalars, _adam_math,
 )
 
@@ -152,8 +165,7 @@ def _lion_scalars(group: dict, step: int) -> dict[str, float]:
 def _lion_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: dict) -> tuple[Tensor, list[Tensor]]:
     (exp_avg,) = states
     lr, wd = h["lr"], h["weight_decay"]
-    if flags["maximize"]:
-        g = -g
+    g = _gradient(g, h, flags)
     if _is_t(wd) or wd != 0:
         p = p * (1 - lr * wd) if _is_t(wd) or _is_t(lr) else p.mul(1 - lr * wd)
     direction = exp_avg.lerp(g, 1 - h["beta1"]).sign()
@@ -161,7 +173,8 @@ def _lion_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: d
     return p, [exp_avg.lerp(g, 1 - h["beta2"])]
 
 
-LION = UpdateRule("lion", _lion_states, ("lr", "beta1", "beta2", "weight_decay"), _lion_scalars, _lion_math)
+LION = UpdateRule("lion", _lion_states, ("lr", "grad_unscale", "beta1", "beta2", "weight_decay"), _lion_scalars,
+                  _lion_math)
 
 
 # ---------------------------------------------------------------- SGD (momentum)
@@ -181,8 +194,7 @@ def _sgd_scalars(group: dict, step: int) -> dict[str, float]:
 
 def _sgd_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: dict) -> tuple[Tensor, list[Tensor]]:
     lr, wd = h["lr"], h["weight_decay"]
-    if flags["maximize"]:
-        g = -g
+    g = _gradient(g, h, flags)
     if _is_t(wd) or wd != 0:
         g = _add(g, p, wd)
     new: list[Tensor] = []
@@ -199,7 +211,7 @@ def _sgd_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict, flags: di
     return _add(p, g, -lr), new
 
 
-SGD = UpdateRule("sgd", _sgd_states, ("lr", "momentum", "weight_decay", "buf_keep", "grad_keep"),
+SGD = UpdateRule("sgd", _sgd_states, ("lr", "grad_unscale", "momentum", "weight_decay", "buf_keep", "grad_keep"),
                  _sgd_scalars, _sgd_math)
 
 RULES = {r.name: r for r in (ADAM, LION, SGD)}

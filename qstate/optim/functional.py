@@ -20,6 +20,9 @@ Paths
   state's inner tensors or a DTensor's local tensor, so each op dispatches
   through DTensor to the local ``QuantizedState``.
 
+AMP: every function takes ``grad_scale``/``found_inf`` (torch's fused-optimizer
+protocol, see :func:`apply_update`).
+
 Scalars: ``lr`` may be a Python float or a tensor on any device; a tensor is
 converted once per call and device (``lr.to(param.device, float32)``), never
 mixed across devices. Step counts (``state_steps``) are 0-dim tensors,
@@ -44,12 +47,20 @@ Scalar = Union[float, Tensor]
 
 
 class _Scalars:
-    """Per-call cache of the rule's scalars: floats per step, tensors per (device, step)."""
+    """Per-call cache of the rule's scalars: floats per step, tensors per (device, step).
 
-    def __init__(self, rule: UpdateRule, group: dict, lr: Scalar):
-        self.rule, self.group, self.lr = rule, group, lr
+    ``lr`` and ``grad_unscale`` may be tensors on any device: each is converted once per
+    device (``.to(device, float32)``), so a tensor on the accelerator never meets an
+    offloaded CPU parameter in one op.
+    """
+
+    _CALLER = ("lr", "grad_unscale")
+
+    def __init__(self, rule: UpdateRule, group: dict, lr: Scalar, grad_unscale: Scalar = 1.0):
+        self.rule, self.group = rule, group
+        self.given = {"lr": lr, "grad_unscale": grad_unscale}
         self._floats: dict[int, dict] = {}
-        self._lr_on: dict[torch.device, Tensor] = {}
+        self._on: dict[tuple, Tensor] = {}
         self._hyper: dict[tuple, Tensor] = {}
 
     def floats(self, step: int) -> dict:
@@ -57,16 +68,19 @@ class _Scalars:
             self._floats[step] = self.rule.scalars(self.group, step)
         return self._floats[step]
 
-    def lr_on(self, device: torch.device) -> Tensor:
-        # once per device: an lr tensor on another device (e.g. the accelerator while the
-        # parameter is offloaded to the CPU) never meets the parameter in one op
-        if device not in self._lr_on:
-            self._lr_on[device] = self.lr.detach().to(device=device, dtype=torch.float32)
-        return self._lr_on[device]
+    def given_on(self, name: str, device: torch.device) -> Scalar:
+        """``lr`` / ``grad_unscale`` as given (a float) or as a float32 tensor on ``device``."""
+        value = self.given[name]
+        if not isinstance(value, Tensor):
+            return value
+        key = (name, device)
+        if key not in self._on:
+            self._on[key] = value.detach().to(device=device, dtype=torch.float32).reshape(())
+        return self._on[key]
 
     def eager(self, step: int, device: torch.device) -> dict:
         h = dict(self.floats(step))
-        h["lr"] = self.lr_on(device) if isinstance(self.lr, Tensor) else self.lr
+        h.update({n: self.given_on(n, device) for n in self._CALLER})
         return h
 
     def hyper(self, step: int, device: torch.device) -> Tensor:
@@ -74,13 +88,11 @@ class _Scalars:
         key = (step, device)
         if key not in self._hyper:
             f = self.floats(step)
-            rest = [f[n] for n in self.rule.scalar_names[1:]]
-            if isinstance(self.lr, Tensor):
-                vec = torch.cat([self.lr_on(device).reshape(1),
-                                 torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True)])
-            else:
-                vec = torch.tensor([float(self.lr)] + rest, dtype=torch.float32).to(device, non_blocking=True)
-            self._hyper[key] = vec
+            parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
+                     for n in self._CALLER]
+            rest = [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
+            parts.append(torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True))
+            self._hyper[key] = torch.cat(parts)
         return self._hyper[key]
 
 
@@ -93,14 +105,35 @@ def _step_of(s: Union[int, Tensor]) -> int:
 
 def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
                  states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
-                 group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False) -> None:
-    """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order)."""
+                 group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order).
+
+    ``grad_scale``/``found_inf`` follow torch's fused-optimizer AMP protocol: the gradients are
+    scaled by ``grad_scale`` (unscaled inside the update, never written), and a nonzero
+    ``found_inf`` (already reduced across ranks by the scaler) skips the whole call: parameters,
+    states and step counts stay bit-identical.
+    """
+    if skip_step(found_inf):
+        return
     with torch.no_grad():
-        _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round)
+        _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
+               1.0 if grad_scale is None else unscale_factor(grad_scale))
 
 
-def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round) -> None:
-    scalars = _Scalars(rule, group, lr)
+def skip_step(found_inf: Optional[Tensor]) -> bool:
+    """Whether a gradient scaler's ``found_inf`` asks to skip this step (one host sync)."""
+    return found_inf is not None and bool(found_inf.detach().ne(0).any().item())
+
+
+def unscale_factor(grad_scale: Tensor) -> Tensor:
+    """``1 / grad_scale`` as ``torch.amp.GradScaler.unscale_`` computes it (reciprocal in float64)."""
+    return grad_scale.detach().double().reciprocal().float()
+
+
+def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
+           grad_unscale) -> None:
+    scalars = _Scalars(rule, group, lr, grad_unscale)
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         st = list(st)
@@ -133,7 +166,8 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Union[int, Tensor]], *,
          max_exp_avg_sqs: Optional[Sequence[Tensor]] = None, lr: Scalar, beta1: float, beta2: float,
          eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
-         decoupled_weight_decay: bool = False, compile: bool = False, stochastic_round: bool = False) -> None:
+         decoupled_weight_decay: bool = False, compile: bool = False, stochastic_round: bool = False,
+        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """Adam (``torch.optim.Adam`` semantics); ``decoupled_weight_decay=True`` is AdamW.
 
     The step keeps ``|m| <= K_t sqrt(v)``, a bound exact fp32 Adam always
@@ -149,36 +183,41 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     group = {"betas": (beta1, beta2), "eps": eps, "weight_decay": weight_decay}
     flags = {"amsgrad": amsgrad, "maximize": maximize, "decoupled": decoupled_weight_decay}
     apply_update(RULES["adam"], flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
-                 stochastic_round=stochastic_round)
+                 stochastic_round=stochastic_round, grad_scale=grad_scale, found_inf=found_inf)
 
 
 def adamw(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
           exp_avg_sqs: Sequence[Tensor], state_steps: Sequence[Union[int, Tensor]], *,
           max_exp_avg_sqs: Optional[Sequence[Tensor]] = None, lr: Scalar, beta1: float, beta2: float,
           eps: float, weight_decay: float, amsgrad: bool = False, maximize: bool = False,
-          compile: bool = False, stochastic_round: bool = False) -> None:
+          compile: bool = False, stochastic_round: bool = False,
+        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """AdamW (``torch.optim.AdamW`` semantics): Adam with decoupled weight decay."""
     adam(params, grads, exp_avgs, exp_avg_sqs, state_steps, max_exp_avg_sqs=max_exp_avg_sqs, lr=lr,
          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-         decoupled_weight_decay=True, compile=compile, stochastic_round=stochastic_round)
+         decoupled_weight_decay=True, compile=compile, stochastic_round=stochastic_round, grad_scale=grad_scale,
+         found_inf=found_inf)
 
 
 def lion(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
          state_steps: Optional[Sequence[Union[int, Tensor]]] = None, *, lr: Scalar, beta1: float, beta2: float,
          weight_decay: float, maximize: bool = False, compile: bool = False,
-         stochastic_round: bool = False) -> None:
+         stochastic_round: bool = False,
+        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """Lion (Chen et al., 2023): ``p -= lr * (sign(lerp(m, g, 1-b1)) + wd * p)``, ``m = lerp(m, g, 1-b2)``."""
     _check_lists("lion", params=params, grads=grads, exp_avgs=exp_avgs, state_steps=state_steps)
     steps = state_steps if state_steps is not None else [1] * len(params)
     group = {"betas": (beta1, beta2), "weight_decay": weight_decay}
     apply_update(RULES["lion"], {"maximize": maximize}, params, grads, [[m] for m in exp_avgs], steps, group,
-                 lr=lr, compile=compile, stochastic_round=stochastic_round)
+                 lr=lr, compile=compile, stochastic_round=stochastic_round, grad_scale=grad_scale,
+                 found_inf=found_inf)
 
 
 def sgd(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Optional[Tensor]],
         state_steps: Sequence[Union[int, Tensor]], *, lr: Scalar, momentum: float, dampening: float = 0.0,
         weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, compile: bool = False,
-        stochastic_round: bool = False) -> None:
+        stochastic_round: bool = False,
+        grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
     """SGD with momentum (``torch.optim.SGD`` semantics).
 
     The momentum buffers start as zeros (quantized or plain); at step 1 the
@@ -189,4 +228,4 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Seq
     states = [[b] if momentum else [] for b in momentum_buffers]
     flags = {"maximize": maximize, "momentum": bool(momentum), "nesterov": nesterov}
     apply_update(RULES["sgd"], flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
-                 stochastic_round=stochastic_round)
+                 stochastic_round=stochastic_round, grad_scale=grad_scale, found_inf=found_inf)

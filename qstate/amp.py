@@ -1,0 +1,91 @@
+"""Gradient scaling for sharded, offloaded gradients: :class:`GradScaler`.
+
+qstate's optimizers speak torch's fused-optimizer AMP protocol
+(``_step_supports_amp_scaling``): ``torch.amp.GradScaler.step`` hands them
+``grad_scale``/``found_inf`` and they unscale inside the quantized update, so
+the gradient is never rewritten. ``torch.amp.GradScaler`` (``"cpu"`` or
+``"cuda"``) is enough when every gradient lives on its mesh's device type,
+e.g. FSDP2 on CPU (gloo), or on CUDA without offload: DTensor's handler of
+``_amp_foreach_non_finite_check_and_unscale_`` all-reduces ``found_inf``.
+
+Use :class:`GradScaler` instead when
+
+* gradients live on another device than the mesh they are sharded over
+  (FSDP2 ``CPUOffloadPolicy`` with a CUDA mesh: torch's check all-reduces a CPU
+  ``found_inf`` over NCCL), or one optimizer's gradients live on several
+  devices;
+* you would use ``ShardedGradScaler``: its ``unscale_`` all-reduces
+  ``found_inf`` a second time after DTensor already did.
+
+Its check runs per rank on the local gradients (the same
+``_amp_foreach_non_finite_check_and_unscale_`` kernel, grouped by device and
+dtype), then reduces ``found_inf`` exactly once per mesh dimension of the
+sharded gradients, on the mesh's device. Plain (non-DTensor) and replicated
+gradients are checked locally, as ``torch.amp.GradScaler`` does.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/NaN check works wherever sharded gradients live.
+
+    Same arguments and use as ``torch.amp.GradScaler``; ``device`` is the device
+    of the scale (``"cuda"`` or ``"cpu"``), independent of where gradients are.
+    """
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor,
+                        allow_fp16: bool) -> dict[torch.device, Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        grads: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+        meshes: dict = {}  # DeviceMesh -> None, in first-seen order (equal meshes count once)
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                what = f"GradScaler: param {pi} of param group {gi} (shape {tuple(p.shape)})"
+                if g.is_sparse:
+                    raise TypeError(f"{what}: sparse gradients are not supported; use torch.amp.GradScaler")
+                if not allow_fp16 and g.dtype == torch.float16:
+                    raise ValueError(f"{what}: attempting to unscale float16 gradients")
+                if isinstance(g, DTensor):
+                    if not all(pl.is_replicate() for pl in g.placements):
+                        meshes.setdefault(g.device_mesh)
+                    g = g.to_local()  # each rank checks its shard; the reduction below makes it global
+                grads[g.device][g.dtype].append(g)
+
+        found: dict[torch.device, Tensor] = {}
+        for device, per_dtype in grads.items():
+            found[device] = flag = found_inf.to(device, copy=True)
+            inv = inv_scale.to(device)
+            for same_dtype in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
+        if not found:
+            found[found_inf.device] = found_inf
+        if meshes:
+            _reduce_found_inf(found, list(meshes))
+        return found
+
+
+def _reduce_found_inf(found: dict[torch.device, Tensor], meshes: list) -> None:
+    """Make every flag in ``found`` the max over the ranks of ``meshes``: one all-reduce per mesh dim."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    flag = None
+    for mesh in meshes:
+        device = torch.device(mesh.device_type)
+        local = torch.stack([f.reshape(()).to(device) for f in found.values()]).amax()
+        if flag is not None:
+            local = torch.maximum(local, flag.to(device))
+        flag = DTensor.from_local(local, mesh, [Partial("max")] * mesh.ndim, run_check=False).full_tensor()
+    for f in found.values():
+        f.copy_(flag.reshape(f.shape).to(f.device))
