@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -383,8 +384,36 @@ TypeError: AdamW: param 0 (shape (3,), torch.float64): state_format='8bit' serve
         # loading restores the checkpoint's groups (state_format included); states that do not
         # match their group's policy are an error, never converted
         sd["param_groups"][0]["state_format"] = "4bit"
-        self.assertExpectedInline(_err(lambda: other.load_state_dict(sd)), """\
-ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit block_size=128 state (state_format='4bit', min_quantize_numel=0), got 8bit block_size=256""")
+        self.assertExpectedInline(_err(lambda: other.load_state_dict(sd)), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit signed block_size=128 state (state_format='4bit', min_quantize_numel=0), got 8bit signed block_size=256""")
+
+    def test_rejected_checkpoint_leaves_the_optimizer_unchanged(self):
+        ps = params([(64, 100), (33, 7)])
+        opt = run_steps(lambda p: AdamW(p, state_format="8bit", min_quantize_numel=0, compile=False), ps, 2)
+        before = copy.deepcopy(opt.state_dict())
+
+        def loading(edit):
+            sd = copy.deepcopy(before)
+            edit(sd)
+            msg = _err(lambda: opt.load_state_dict(sd))
+            after = opt.state_dict()
+            assert after["param_groups"] == before["param_groups"]
+            for k, st in before["state"].items():
+                for n, v in st.items():
+                    w = after["state"][k][n]
+                    same = torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale) \
+                        if isinstance(v, qstate.QuantizedState) else torch.equal(v, w)
+                    assert same, (k, n)
+            return msg
+
+        def swap(key, name, value):
+            return lambda sd: sd["state"][key].__setitem__(name, value)
+
+        m = before["state"][1]["exp_avg"]
+        self.assertExpectedInline(loading(swap(1, "exp_avg_sq", m)), """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg_sq': expected a 8bit unsigned block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=256""")
+        self.assertExpectedInline(loading(swap(1, "exp_avg", qstate.quantize(m.dequantize(), "8bit", block_size=64))),
+                                  """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=64""")
+        self.assertExpectedInline(loading(swap(1, "exp_avg", qstate.quantize(torch.zeros(7, 33), "8bit"))), """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected shape (33, 7), got (7, 33)""")
+        self.assertExpectedInline(loading(swap(0, "exp_avg", torch.zeros(64, 100))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got plain torch.float32""")
 
     def test_sparse_grad(self):
         p = torch.nn.Parameter(torch.zeros(10, 3))

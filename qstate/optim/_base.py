@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
 from .._state import QuantizedState
+from ..distributed import is_dtensor
 from ..formats import FORMATS, get_format
 from . import functional as F
 from ._rules import UpdateRule
@@ -172,19 +173,44 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return state
 
     def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Tensor) -> None:
+        """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
-        local = value
-        if isinstance(value, QuantizedState):
-            got = f"{value.format} block_size={value.block_size}"
+        specs = {s.name: s for s in self.rule.states(self._flags(group))}
+        if name not in specs:
+            raise ValueError(f"{what}: unexpected state; {type(self).__name__} keeps {sorted(specs)}")
+        local = value.to_local() if is_dtensor(value) else value
+        if isinstance(local, QuantizedState):
+            got = f"{local.format} {'signed' if local.signed else 'unsigned'} block_size={local.block_size}"
         else:
-            got = f"plain {value.dtype}"
-        want = f"{kind[1]} block_size={kind[2]}" if kind[0] == "q" else f"plain {kind[1]}"
-        if got != want and type(local).__name__ != "DTensor":
+            got = f"plain {local.dtype}"
+        signed = "signed" if specs[name].signed else "unsigned"
+        want = f"{kind[1]} {signed} block_size={kind[2]}" if kind[0] == "q" else f"plain {kind[1]}"
+        if got != want:
             raise ValueError(f"{what}: expected a {want} state (state_format={group['state_format']!r}, "
                              f"min_quantize_numel={group['min_quantize_numel']}), got {got}")
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+
+    def _check_loaded(self, state_dict: dict) -> None:
+        """Check every tensor state of ``state_dict`` against the policy of its (loaded) group.
+
+        Runs before ``load_state_dict`` changes anything, so a rejected checkpoint leaves the
+        optimizer as it was. Group/parameter count mismatches are left to torch's own errors.
+        """
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups):
+            return
+        index = 0
+        for saved, current in zip(saved_groups, self.param_groups):
+            if len(saved["params"]) != len(current["params"]):
+                return
+            group = {**current, **{k: v for k, v in saved.items() if k != "params"}}
+            for pid, p in zip(saved["params"], current["params"]):
+                for name, value in state_dict["state"].get(pid, {}).items():
+                    if isinstance(value, Tensor) and name != "step":
+                        self._check_state(p, group, index, name, value)
+                index += 1
 
     # ------------------------------------------------------------------ step
     @contextlib.contextmanager
@@ -261,6 +287,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _load_pre(self, state_dict: dict) -> dict:
         state_dict = dict(state_dict)
         extra = state_dict.pop("qstate", None)
+        self._check_loaded(state_dict)
         if extra is not None:
             self._seed = int(extra["seed"])
             self._rng_states = {k: v.clone() for k, v in extra["rng"].items()}
@@ -271,15 +298,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return state_dict
 
     def _load_post(self) -> None:
-        index = self._param_index()
-        group_of = {p: g for g in self.param_groups for p in g["params"]}
         for p, state in self.state.items():
             for n, v in list(state.items()):
                 if isinstance(v, _Keep):
-                    value = v.value.to(p.device)
-                    if isinstance(p, Tensor) and p in group_of:
-                        self._check_state(p, group_of[p], index[p], n, value)
-                    state[n] = value
+                    state[n] = v.value.to(p.device)
 
 
 def _get_rng(device: torch.device) -> Tensor:
