@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
+__all__ = ["is_dtensor", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
            "DEFAULT_MIN_QUANTIZE_NUMEL"]
 
 #: tensors with fewer elements keep a plain fp32 state
@@ -35,6 +35,20 @@ def is_dtensor(x: Any) -> bool:
     except ImportError:  # torch built without distributed
         return False
     return isinstance(x, DTensor)
+
+
+def state_kind(t: Tensor) -> str:
+    """``"<format> <signed|unsigned> block_size=<n>"`` or ``"plain <dtype>"`` of a state, DTensor or not.
+
+    The kind of a DTensor state is its local tensor's (the same on every rank, see
+    :func:`state_like`).
+    """
+    from ._state import QuantizedState
+
+    local = t._local_tensor if is_dtensor(t) else t
+    if isinstance(local, QuantizedState):
+        return f"{local.format} {'signed' if local.signed else 'unsigned'} block_size={local.block_size}"
+    return f"plain {local.dtype}"
 
 
 def _map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:

@@ -209,6 +209,9 @@ def optimizer_state_dict_body(rank: int, world_size: int, fmt: str) -> None:
         set_optimizer_state_dict(model2, opt2, sd, options=options)
         got = _full_states(opt2)
         assert len(got) == len(expect) and all(torch.equal(a, b) for a, b in zip(got, expect)), full
+        # the stochastic-rounding stream is (seed, group, step): all of it survives the round trip
+        assert [g["seed"] for g in opt2.param_groups] == [g["seed"] for g in opt.param_groups]
+        assert all(int(opt2.state[p2]["step"]) == 2 for p2 in model2.parameters())
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -22,9 +22,12 @@ argument checks and static flags; everything else lives here:
   update unscales the gradient as it reads it, and a nonzero ``found_inf``
   skips the step before anything (states, step counts) is created or written.
 * **stochastic rounding** of bfloat16 parameters: the random stream is the
-  optimizer's own (seeded by ``seed``, or drawn from the global generator at
-  construction), swapped in around the step and saved in ``state_dict()``
-  under ``"qstate"``, so a resumed run continues the same stream.
+  optimizer's own, a function of ``(seed, param group index, step)`` only: the
+  generator of each device is seeded from them for the group's update (and the
+  global one restored afterwards). ``seed`` (given, or drawn from the global
+  generator at construction) is a param-group entry and the step is a state,
+  so any checkpoint path that keeps param groups and states
+  (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
 * **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
   (``torch.load(weights_only=True)`` works after ``import qstate``); loading
   keeps their format and dtype (``torch.optim`` would cast states to the
@@ -42,8 +45,7 @@ import torch
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
-from .._state import QuantizedState
-from ..distributed import is_dtensor
+from ..distributed import state_kind
 from ..formats import FORMATS, get_format
 from . import functional as F
 from ._rules import UpdateRule
@@ -82,18 +84,14 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         defaults = dict(defaults)
         defaults.update(state_format=state_format, block_size=block_size, min_quantize_numel=min_quantize_numel,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round,
+                        seed=int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):
             raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
-        if seed is not None and not isinstance(seed, int):
-            raise TypeError(f"{name}: seed must be an int or None, got {seed!r}")
         self.compile = compile
         self._n_params = 0
         super().__init__(params, defaults)
-        self._seed = int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed
-        self._rng_states: dict[str, Tensor] = {}
-        self.register_state_dict_post_hook(type(self)._save_extra)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
         self.register_load_state_dict_post_hook(type(self)._load_post)
 
@@ -116,6 +114,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         n = group["min_quantize_numel"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name}: min_quantize_numel must be an int >= 0, got {n!r}")
+        if isinstance(group.get("seed"), bool) or not isinstance(group.get("seed"), int):
+            raise TypeError(f"{name}: seed must be an int or None, got {group.get('seed')!r}")
         if not isinstance(group["bf16_stochastic_round"], bool):
             raise TypeError(f"{name}: bf16_stochastic_round must be a bool, got {group['bf16_stochastic_round']!r}")
 
@@ -179,11 +179,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         specs = {s.name: s for s in self.rule.states(self._flags(group))}
         if name not in specs:
             raise ValueError(f"{what}: unexpected state; {type(self).__name__} keeps {sorted(specs)}")
-        local = value.to_local() if is_dtensor(value) else value
-        if isinstance(local, QuantizedState):
-            got = f"{local.format} {'signed' if local.signed else 'unsigned'} block_size={local.block_size}"
-        else:
-            got = f"plain {local.dtype}"
+        got = state_kind(value)
         signed = "signed" if specs[name].signed else "unsigned"
         want = f"{kind[1]} {signed} block_size={kind[2]}" if kind[0] == "q" else f"plain {kind[1]}"
         if got != want:
@@ -213,28 +209,22 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 index += 1
 
     # ------------------------------------------------------------------ step
+    @staticmethod
     @contextlib.contextmanager
-    def _own_rng(self, devices: set[torch.device]):
-        """Run with this optimizer's random stream on ``devices`` (then restore the global one)."""
+    def _stream(devices: set[torch.device], seed: int, group_index: int, step: int):
+        """Run with the rounding stream of ``(seed, group_index, step)`` on ``devices``, then restore."""
         if not devices:
             yield
             return
-        devices = sorted(devices, key=str)
-        saved = [(d, _get_rng(d)) for d in devices]
+        saved = [(d, _get_rng(d)) for d in sorted(devices, key=str)]
+        key = ((seed * 1_000_003 + group_index) * 1_000_003 + step) % 2**63
         try:
-            for d in devices:
-                key = str(d)
-                if key not in self._rng_states:
-                    gen = torch.Generator(device=d)
-                    gen.manual_seed(self._seed)
-                    self._rng_states[key] = gen.get_state()
-                _set_rng(d, self._rng_states[key])
+            for d, _ in saved:
+                _set_rng(d, torch.Generator(device=d).manual_seed(key).get_state())
             yield
-            for d in devices:
-                self._rng_states[str(d)] = _get_rng(d)
         finally:
-            for d, s in saved:
-                _set_rng(d, s)
+            for d, state in saved:
+                _set_rng(d, state)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
@@ -250,8 +240,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             return loss
         index = None
         work = []
-        sr_devices: set[torch.device] = set()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            sr_devices: set[torch.device] = set()
             params, grads, states, steps = [], [], [], []
             names = [s.name for s in self.rule.states(self._flags(group))]
             for p in group["params"]:
@@ -271,26 +261,19 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 if group["bf16_stochastic_round"] and p.dtype == torch.bfloat16:
                     sr_devices.add(p.device)
             if params:
-                work.append((group, params, grads, states, steps))
-        with self._own_rng(sr_devices):
-            for group, params, grads, states, steps in work:
+                work.append((gi, group, params, grads, states, steps, sr_devices))
+        for gi, group, params, grads, states, steps, sr_devices in work:
+            step = 1 + max(int(s) for s in steps)  # the step being taken (the counts are CPU tensors)
+            with self._stream(sr_devices, group["seed"], gi, step):
                 F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
                                lr=group["lr"], compile=self.compile,
                                stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
         return loss
 
     # ------------------------------------------------------------------ state_dict
-    def _save_extra(self, state_dict: dict) -> dict:
-        state_dict["qstate"] = {"seed": self._seed, "rng": {k: v.clone() for k, v in self._rng_states.items()}}
-        return state_dict
-
     def _load_pre(self, state_dict: dict) -> dict:
         state_dict = dict(state_dict)
-        extra = state_dict.pop("qstate", None)
         self._check_loaded(state_dict)
-        if extra is not None:
-            self._seed = int(extra["seed"])
-            self._rng_states = {k: v.clone() for k, v in extra["rng"].items()}
         state_dict["state"] = {
             k: {n: (_Keep(v) if isinstance(v, Tensor) and n != "step" else v) for n, v in s.items()}
             for k, s in state_dict["state"].items()
