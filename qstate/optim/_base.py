@@ -38,7 +38,6 @@ argument checks and static flags; everything else lives here:
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -300,4 +299,3 @@ def _set_rng(device: torch.device, state: Tensor) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device.index or 0)
 
 
-_ = math
