@@ -88,8 +88,10 @@ def test_quantized_states_close_to_fp32(fmt):
                             lambda ps: AdamW(ps, state_format=fmt, min_quantize_numel=64, compile=False, **kw))
     for x, y, s in zip(a, b, SHAPES):
         state = opt.state[y]["exp_avg"]
-        if math.prod(s) >= 64:
-            assert isinstance(state, qstate.QuantizedState) if fmt in FORMATS else state.dtype == torch.bfloat16
+        if fmt in FORMATS and qstate.wants_quantized(y, 64):  # ndim >= 2 and numel >= 64
+            assert isinstance(state, qstate.QuantizedState)
+        elif fmt not in FORMATS and math.prod(s) >= 64:
+            assert state.dtype == torch.bfloat16
         else:
             assert type(state) is torch.Tensor and state.dtype == torch.float32
         # 5 steps of ~lr (1e-2) each: 8-bit-like states stay within half of that, 4-bit within it

@@ -3,10 +3,12 @@
 A subclass names its :class:`~qstate.optim._rules.UpdateRule`, its defaults,
 argument checks and static flags; everything else lives here:
 
-* **policy** (per parameter, decided once, the same on every rank): a
-  parameter with ``p.numel() >= min_quantize_numel`` (the *global* numel: a
-  DTensor's ``numel()`` is already global) gets ``state_format`` states,
-  smaller ones get float32 states. Nothing else ever changes the format: a
+* **policy** (per parameter, decided once, the same on every rank, from the
+  *global* shape: a DTensor's ``numel()`` is already global): a parameter with
+  ``p.numel() >= min_quantize_numel`` gets ``state_format`` states, smaller
+  ones get float32 states; a quantized format also needs ``p.ndim >= 2``
+  (:func:`qstate.wants_quantized`: 1-D shards would not start on block
+  boundaries), so 1-D parameters keep float32 states at any size. Nothing else ever changes the format: a
   block size the format rejects, a parameter dtype it cannot hold, a loaded
   state of another kind all raise, naming the parameter (index in
   ``state_dict`` order and shape), the expected and the actual.
@@ -44,7 +46,7 @@ import torch
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
-from ..distributed import state_kind
+from ..distributed import state_kind, wants_quantized
 from ..formats import FORMATS, get_format
 from . import functional as F
 from ._rules import UpdateRule
@@ -135,6 +137,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{what}: state_format={fmt!r} serves float32/bfloat16/float16 parameters, got {p.dtype}")
         if fmt in PLAIN_FORMATS:
             return ("plain", PLAIN_FORMATS[fmt])
+        if not wants_quantized(p, group["min_quantize_numel"]):
+            return ("plain", torch.float32)
         f = get_format(fmt)
         bs = f.default_block_size if group["block_size"] is None else group["block_size"]
         try:
