@@ -12,10 +12,11 @@ world_size`` (``g + g`` is exact, so ``fl(3g)`` is gloo's sum in any order) and
 the comparison can be exact. With ``MixedPrecisionPolicy(param_dtype=bf16)``
 the unsharded run computes with a bfloat16 copy of its float32 parameters, as
 FSDP2 does (bf16 forward and backward, bf16 reduction, float32 sharded
-gradient). The optimizers run with ``compile=False`` on both sides: DTensor
-parameters always take the eager path, and the fused kernels may round
-differently (FMA, reassociation), which would hide real differences behind a
-tolerance.
+gradient). Both sides use the same ``compile`` setting: ``compile=False`` runs
+the math op by op (on DTensors through their ops), ``compile=True`` the fused
+kernels (on DTensors through ``qstate::fused_update``, shard by shard); the
+two may round differently (FMA, reassociation), so each is compared with its
+own kind. No step issues a collective (CommDebugMode).
 
 What is exact, per config: losses, gradients, parameters and every state's
 ``full_tensor()`` (codes and scales of quantized states) equal the unsharded
@@ -63,6 +64,8 @@ class Config:
     #: 100: the three weights get quantized states, the biases (65, 16, 7) float32 ones (1-D
     #: parameters keep float32 states at any size: test_optimizer_policy_keeps_1d_states_plain)
     min_quantize_numel: int = 100
+    #: fused compiled kernels: DTensor runs qstate::fused_update shard by shard
+    compile: bool = False
 
     @property
     def stochastic_round(self) -> bool:
@@ -71,7 +74,8 @@ class Config:
     def __str__(self) -> str:
         dtype = str(self.param_dtype).removeprefix("torch.")
         return (f"{self.optimizer}({self.state_format}, min_quantize_numel={self.min_quantize_numel}) {dtype} "
-                f"params{' +offload' if self.offload else ''}{' +mp(bf16)' if self.mixed_precision else ''}")
+                f"params{' +offload' if self.offload else ''}{' +mp(bf16)' if self.mixed_precision else ''}"
+                f"{' compiled' if self.compile else ''}")
 
 
 #: AdamW: every combination for float32 parameters (states x offload x mixed precision); bf16
@@ -86,6 +90,9 @@ CONFIGS = [
     Config("AdamW", "fp32", torch.bfloat16),
     Config("AdamW", "8bit", torch.bfloat16, offload=True),
     Config("Lion", "8bit"),
+    Config("AdamW", "8bit", compile=True),
+    Config("AdamW", "4bit", offload=True, mixed_precision=True, compile=True),
+    Config("Lion", "8bit", compile=True),
 ]
 
 
@@ -109,7 +116,7 @@ def _optimizer(params, cfg: Config) -> torch.optim.Optimizer:
 
     cls = {"AdamW": qstate.optim.AdamW, "Lion": qstate.optim.Lion}[cfg.optimizer]
     return cls(params, lr=LR[cfg.optimizer], betas=(BETA1, BETA2), weight_decay=0.1,
-               state_format=cfg.state_format, min_quantize_numel=cfg.min_quantize_numel, compile=False,
+               state_format=cfg.state_format, min_quantize_numel=cfg.min_quantize_numel, compile=cfg.compile,
                bf16_stochastic_round=cfg.stochastic_round, seed=SEED)
 
 
@@ -175,15 +182,18 @@ def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, to
 
 
 def _train_sharded(cfg: Config) -> Run:
+    from torch.distributed.tensor.debug import CommDebugMode
+
     model = _sharded(cfg)
     opt = _optimizer(model.parameters(), cfg)
     losses, first = [], []
     for step in range(STEPS):
         loss = _loss(model(_batch(step).to(cfg.param_dtype)))
         loss.backward()
-        # the first step creates the states (wrapping local states is allowed there)
-        with _no_local_tensor_access() if step else contextlib.nullcontext():
+        # the first step creates the states (wrapping local states is allowed there); no step communicates
+        with _no_local_tensor_access() if step else contextlib.nullcontext(), CommDebugMode() as comm:
             opt.step()
+        assert comm.get_total_counts() == 0, f"{cfg}: the step issued {comm.get_comm_counts()}"
         first = first or _snapshot(model, opt)
         opt.zero_grad()
         losses.append(loss.detach())

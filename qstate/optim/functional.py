@@ -13,8 +13,12 @@ Paths
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
   ``_kernels.py``).
-* otherwise (``compile=False``, DTensors, mixed devices, views): the same
-  math eagerly, op by op. States are read with out-of-place math (plain
+* ``compile=True`` and a DTensor parameter whose gradient and states share its
+  shape, mesh and (non-Partial) placements, without stochastic rounding: the
+  operator ``qstate::fused_update``, which DTensor runs shard by shard with
+  the same kernels (``_fused_op.py``; no collectives).
+* otherwise (``compile=False``, stochastic rounding on DTensors, other
+  layouts, mixed devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
   quantized state in place into its own layout. Nothing here touches a
   state's inner tensors or a DTensor's local tensor, so each op dispatches
@@ -37,9 +41,11 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..distributed import is_dtensor
+from ._fused_op import FusedCall, call_key, fused_update
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
-from ._rounding import store_param
 from ._rules import RULES, UpdateRule
+from ._update import update_eagerly
 
 __all__ = ["adam", "adamw", "lion", "sgd", "apply_update"]
 
@@ -134,26 +140,29 @@ def unscale_factor(grad_scale: Tensor) -> Tensor:
 def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
+    static = tuple(sorted(flags.items()))
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         st = list(st)
-        pflags = flags
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         if compile and fusable(p, g, st):
-            spec = KernelSpec(rule.name, tuple(sorted(pflags.items())), p.dtype, sr,
-                              tuple(state_entry(x) for x in st), p.device.type)
+            spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
-            continue
-        h = scalars.eager(step, p.device)
-        p32 = p if p.dtype == torch.float32 else p.float()
-        g32 = g if g.dtype == torch.float32 else g.float()
-        # states are read with out-of-place math: quantized ones (appearance float32) give plain
-        # float32 values; a plain low-precision state is read as float32
-        readable = [x if x.dtype == torch.float32 else x.float() for x in st]
-        p_new, new = rule.math(p32, g32, readable, h, pflags)
-        for x, value in zip(st, new):
-            x.copy_(value)
-        store_param(p, p_new, sr)
+        elif compile and not sr and _one_layout(p, g, st):
+            # DTensor runs the fused update on every shard (qstate::fused_update, no collectives).
+            # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
+            # path draws from the positional stream of the DTensor rules (independent shards).
+            fused_update(p, g, st, scalars.hyper(step, p.device), call_key(FusedCall(rule.name, static, sr, True)))
+        else:
+            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+
+
+def _one_layout(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
+    """Whether ``p``, ``g`` and ``states`` are DTensors of one shape, mesh and non-Partial placements."""
+    if not is_dtensor(p) or any(pl.is_partial() for pl in p.placements):
+        return False
+    return all(is_dtensor(t) and t.shape == p.shape and t.device_mesh == p.device_mesh
+               and t.placements == p.placements for t in (g, *states))
 
 
 def _check_lists(what: str, **lists: Optional[Sequence]) -> None:

@@ -1,0 +1,73 @@
+"""Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
+
+``functional.apply_update`` calls the op for a DTensor parameter whose
+gradient and states share its layout; DTensor's handler for it
+(:mod:`qstate.dtensor_rules._fused_ops`) runs it on every shard, so the step
+code never unwraps a DTensor and issues no collectives. On the shard:
+
+* plain states: the ``CompositeExplicitAutograd`` kernel below;
+* :class:`~qstate.QuantizedState` states: the same function, registered in
+  QuantizedState's op table (the subclass sees the op first).
+
+Both run :func:`~qstate.optim._kernels.run_fused` (one compiled graph per
+kernel kind, as for local tensors) when the shard is fusable, else the same
+rule math op by op. ``kind`` is the key of a :class:`FusedCall` registered by
+:func:`call_key` (rule, static flags, stochastic rounding, compile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .._library import LIBRARY, fused_update
+from ..ops import register
+from ._kernels import KernelSpec, fusable, run_fused, state_entry
+from ._rules import RULES
+from ._update import update_eagerly
+
+__all__ = ["FusedCall", "call_key", "fused_update"]
+
+
+@dataclass(frozen=True)
+class FusedCall:
+    rule: str
+    flags: tuple  # sorted (name, value) pairs
+    stochastic_round: bool
+    compile: bool
+
+
+#: ``kind`` string -> call; one entry per distinct optimizer configuration in the process
+_CALLS: dict[str, FusedCall] = {}
+
+
+def call_key(call: FusedCall) -> str:
+    """The ``kind`` argument naming ``call`` (registered on first use)."""
+    key = repr(call)
+    _CALLS.setdefault(key, call)
+    return key
+
+
+def _update_shard(param: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: Tensor, kind: str) -> None:
+    call = _CALLS[kind]
+    rule, flags = RULES[call.rule], dict(call.flags)
+    states = list(states)
+    if fusable(param, grad, states):
+        spec = KernelSpec(call.rule, call.flags, param.dtype, call.stochastic_round,
+                          tuple(state_entry(s) for s in states), param.device.type)
+        run_fused(spec, param, grad, states, hyper, call.compile)
+        return
+    h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
+    update_eagerly(rule, flags, param, grad, states, h, call.stochastic_round)
+
+
+LIBRARY.impl("fused_update", _update_shard, "CompositeExplicitAutograd")
+
+
+# a shard whose states are QuantizedStates: the update reads and writes their codes/scales itself
+@register(fused_update)
+def _fused_update_on_states(func, args, kwargs):
+    _update_shard(*args, **kwargs)
