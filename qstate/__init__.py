@@ -3,7 +3,9 @@
 Public API: :class:`QuantizedState`, :func:`quantize`, :func:`zeros_like`,
 ``QuantizedState.dequantize()``, ``QuantizedState.storage_nbytes()``, the
 format registry :mod:`qstate.formats`, the op table :mod:`qstate.ops` and the
-DTensor sharding rules :mod:`qstate.dtensor_rules`.
+DTensor sharding rules :mod:`qstate.dtensor_rules`. Optimizers live in
+:mod:`qstate.optim`, gradient scaling in :mod:`qstate.amp`, all-or-nothing DCP
+loading in :mod:`qstate.checkpoint`.
 
 Importing qstate (1) registers :class:`QuantizedState` and its rebuild
 function as ``torch.load(weights_only=True)`` safe globals and (2) installs
