@@ -121,6 +121,9 @@ def test_compiled_quantized_matches_eager():
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
             for name in ("exp_avg", "exp_avg_sq"):
                 qe, qc = oe.state[x][name], oc.state[y][name]
+                if not isinstance(qe, qstate.QuantizedState):  # 1-D parameters keep fp32 states
+                    torch.testing.assert_close(qc, qe, rtol=1e-4, atol=1e-6)  # FMA, reassociation
+                    continue
                 assert (qe.codes == qc.codes).float().mean() > 0.999
                 torch.testing.assert_close(qc.dequantize(), qe.dequantize(), rtol=1e-2, atol=1e-6)
 
@@ -133,7 +136,8 @@ def test_one_graph_per_kernel_kind_not_per_shape():
               params(shapes), 2)
     run_steps(lambda ps: AdamW(ps, lr=1e-3, betas=(0.5, 0.9), state_format="8bit", min_quantize_numel=0),
               params([(300, 3), (17,)]), 2)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    # one graph for the 8bit kind (every ndim >= 2 shape), one for the plain fp32 kind (1-D params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 2
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -15,12 +15,22 @@ Shape independence
 * Every input is re-aliased with ``Tensor.set_`` as a fresh contiguous tensor
   of a fixed rank (1-D for plain states, ``[rows, row_len]`` for quantized
   ones), so dynamo sees neither the parameter's rank nor a view base.
-* Sizes are symbolic and traced with ``backed_size_oblivious`` so that sizes
-  0/1 (one-row states, one-block rows) are not specialized.
-* Blocks are handled without data-dependent branches: the per-block absmax
-  is a reduction over ``pad(values, to a whole number of blocks)`` and the
-  per-element scale is ``scale[:, col // block_size]``; a row whose length is
-  a multiple of the block size uses the same graph (its padding is empty).
+* Sizes are symbolic and traced with ``backed_size_oblivious`` (sizes 0/1 are
+  not specialized) and without duck shaping (equal sizes, e.g. a square
+  weight, get no equality guard). Python ints and floats of the kind (block
+  sizes, table constants, ``max_code``) are specialized: static loop bounds
+  and shifts, so inductor vectorizes the loops.
+* Quantized states run in *block space* (:class:`_BlockSpace`): every tensor
+  is viewed as ``[N, unit]`` (``unit``: the lcm of the block sizes), one block
+  row per row of each tensor. Rows that are a whole number of units are
+  aliased (no copy); ragged rows are zero-padded copies whose padding lanes are
+  masked out of the absmax (``limit``: valid columns per block row) and dropped
+  when the results are copied back. The per-element scale is then a per-row
+  broadcast, the absmax a reduction over the last dim, and inductor emits one
+  loop over block rows: absmax of the recomputed new states, then encode and
+  parameter update in the same iteration (the new states are recomputed, not
+  stored: ``_INDUCTOR_OPTIONS``). The new scales are returned (the old ones are
+  still read in that loop) and copied by :func:`run_fused`.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; anything else (DTensor states) runs the same math eagerly, op by op
@@ -29,9 +39,10 @@ path; anything else (DTensor states) runs the same math eagerly, op by op
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -89,64 +100,91 @@ def _plain_body(spec: KernelSpec, rule: UpdateRule, flags: dict) -> Callable:
     return kernel
 
 
-def _pad_cols(x: Tensor, width: Tensor | int) -> Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+#: largest block-space column group (lcm of the states' block sizes) the kernels take
+_MAX_UNIT = 4096
+
+
+def _block_unit(block_sizes: Sequence[int]) -> int:
+    """Elements per block-space column group: the lcm of the states' block sizes."""
+    return math.lcm(*block_sizes)
+
+
+def _unpacked(bits: int, codes: Tensor) -> Tensor:
+    """``[N, unit * bits / 8]`` bytes -> ``[N, unit]`` codes (4-bit: low nibble first)."""
+    if bits == 8:
+        return codes
+    n, width = codes.shape
+    return torch.stack([codes & 0xF, codes >> 4], dim=-1).view(n, 2 * width)
+
+
+def _packed(bits: int, codes: Tensor) -> Tensor:
+    """Inverse of :func:`_unpacked` (``unit`` is even for 4-bit formats: pairs never cross a block)."""
+    if bits == 8:
+        return codes
+    n, unit = codes.shape
+    pairs = codes.view(n, unit // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: list[Codec]) -> Callable:
     names = rule.scalar_names
     fmts = [get_format(s[1]) for s in spec.states]
     block_sizes = [s[3] for s in spec.states]
+    unit = _block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
-    def kernel(p: Tensor, g: Tensor, hyper: Tensor, *flat: Tensor) -> None:
-        rows, row_len = p.shape
-        h = {n: hyper[i] for i, n in enumerate(names)}
+    def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, *flat: Tensor) -> list[Tensor]:
+        # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
+        # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
+        # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
+        rows, nb = p.shape[0], p.shape[1]
+        n = rows * nb
+        p = p.view(n, unit)
+        h = {name: hyper[i] for i, name in enumerate(names)}
         states, at = [], 0
-        for n in n_tables:
-            states.append((flat[at], flat[at + 1], list(flat[at + 2: at + 2 + n])))
-            at += 2 + n
-        p32, g32 = p.float(), g.float()
+        for fmt, bs, k in zip(fmts, block_sizes, n_tables):
+            codes = flat[at].view(n, unit * fmt.bits // 8)
+            scale = flat[at + 1].view(n, unit // bs)
+            states.append((codes, scale, list(flat[at + 2: at + 2 + k])))
+            at += 2 + k
+        g = g.view(n, unit)
+        valid = torch.arange(unit, dtype=torch.int32, device=p.device) < limit.view(n, 1)
 
-        # sizes derived from row_len only, so that dynamo relates every size to (rows, row_len)
-        width = (row_len + 1) // 2  # bytes per row of a 4-bit state
-
-        def unpacked(fmt, codes):
-            if fmt.bits == 8:
-                return codes
-            both = torch.stack([codes & 0xF, codes >> 4], dim=-1).view(rows, 2 * width)
-            return both[:, :row_len]
-
-        def per_element(scale, bs):  # [rows, nblocks] -> [rows, row_len]
-            nblocks = (row_len + bs - 1) // bs
-            return scale.view(rows, nblocks, 1).expand(rows, nblocks, bs).reshape(rows, nblocks * bs)[:, :row_len]
-
-        # previous values, per element
         prev = []
         for fmt, codec, bs, (codes, scale, tables) in zip(fmts, codecs, block_sizes, states):
-            prev.append(codec.decode(unpacked(fmt, codes), tables) * per_element(scale, bs))
-        p_new, new = rule.math(p32, g32, prev, h, flags)
+            values = codec.decode(_unpacked(fmt.bits, codes), tables).view(n, unit // bs, bs)
+            prev.append((values * scale.unsqueeze(-1)).view(n, unit))
+        p_new, new = rule.math(p.float(), g.float(), prev, h, flags)
 
+        new_scales = []
         for fmt, codec, bs, value, (codes, scale, tables) in zip(fmts, codecs, block_sizes, new, states):
-            nblocks = (row_len + bs - 1) // bs
-            blocks = _pad_cols(value, nblocks * bs).view(rows, nblocks, bs)
-            absmax = blocks.abs().amax(dim=-1)
+            # reduced as [R, NB, ., bs]: a loop nest of its own, apart from the [N, unit] element loops
+            absmax = torch.where(valid, value.abs(), 0.0).view(rows, nb, unit // bs, bs).amax(dim=-1)
+            absmax = absmax.view(n, unit // bs)
             new_scale = absmax / fmt.max_code if fmt.max_code != 1.0 else absmax
             safe = torch.where(new_scale == 0, torch.ones_like(new_scale), new_scale)
-            y = value / per_element(safe, bs)
-            c = codec.encode(y, tables)
-            if fmt.bits == 4:
-                pairs = _pad_cols(c, 2 * width).view(rows, width, 2)
-                c = pairs[..., 0] | (pairs[..., 1] << 4)
-            codes.copy_(c)
-            scale.copy_(new_scale.view(scale.shape))
-        store_param(p, p_new, spec.stochastic_round)
+            y = value.view(n, unit // bs, bs) / safe.unsqueeze(-1)
+            # padding lanes get arbitrary codes: _BlockSpace.write_back drops them
+            codes.copy_(_packed(fmt.bits, codec.encode(y, tables).view(n, unit)))
+            new_scales.append(new_scale)
+        # padding keeps its value (which also keeps this write in the loops over blocks)
+        store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round)
+        # returned, not written: the old scales are still being read (the caller copies them)
+        return new_scales
 
     return kernel
 
 
 # ------------------------------------------------------------------ compile once per kind
 _KERNELS: dict[tuple, Callable] = {}
+
+_INDUCTOR_OPTIONS = {
+    "assert_indirect_indexing": False,
+    # recompute decoded states in every loop that needs them instead of storing fp32 copies
+    "realize_reads_threshold": 1000,
+    "realize_opcount_threshold": 10_000,
+    "realize_acc_reads_threshold": 1000,
+}
 
 
 def _own_code(fn: Callable, name: str) -> Callable:
@@ -174,8 +212,7 @@ def get_kernel(spec: KernelSpec, device: torch.device, compile: bool = True) -> 
             body = _plain_body(spec, rule, flags)
         body = _own_code(body, "qstate_kernel_" + spec.tag())
         if compile:
-            body = torch.compile(body, fullgraph=True, dynamic=True,
-                                 options={"assert_indirect_indexing": False})
+            body = torch.compile(body, fullgraph=True, dynamic=True, options=_INDUCTOR_OPTIONS)
         fn = _KERNELS[key] = body
     return fn
 
@@ -212,28 +249,96 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
         else:
             return False
     kinds = {type(s) for s in states}
-    return len(kinds) <= 1
+    if len(kinds) > 1:
+        return False
+    if kinds == {QuantizedState}:  # one row layout, one block space
+        layouts = {(s.rows, s.row_len) for s in states}
+        return len(layouts) == 1 and _block_unit([s.block_size for s in states]) <= _MAX_UNIT
+    return True
+
+
+_LIMITS: dict[tuple, Tensor] = {}
+
+
+def _block_limits(rows: int, row_len: int, unit: int, device: torch.device) -> Tensor:
+    """``[rows * nb]`` int32: the valid (non-padding) columns of each block-space row (cached per layout)."""
+    key = (rows, row_len, unit, device)
+    t = _LIMITS.get(key)
+    if t is None:
+        nb = -(-row_len // unit)
+        per_row = (row_len - unit * torch.arange(nb, dtype=torch.int32)).clamp(max=unit)
+        t = _LIMITS[key] = per_row.repeat(rows).to(device)
+    return t
+
+
+class _BlockSpace:
+    """Block-space views ``[rows * nb, per_block]`` of row-major ``[rows, width]`` tensors.
+
+    When a row is a whole number of ``unit``-element column groups the views
+    alias the tensors (no copy); otherwise each is a zero-padded copy, and
+    :meth:`write_back` copies the kernel's results into the original tensors.
+    """
+
+    def __init__(self, rows: int, row_len: int, unit: int):
+        self.rows, self.nb = rows, -(-row_len // unit)
+        self.padded = self.nb * unit != row_len
+        self._outputs: list[tuple[Tensor, Tensor]] = []
+
+    def view(self, t: Tensor, per_block: int, output: bool, split: bool = False) -> Tensor:
+        """``t`` as ``[rows * nb, per_block]`` (``[rows, nb, per_block]`` if ``split``)."""
+        width = t.numel() // self.rows
+        shape = (self.rows, self.nb, per_block) if split else (self.rows * self.nb, per_block)
+        if not self.padded:
+            out = _alias(t, shape)
+        else:
+            flat = t.view(self.rows, width)
+            out = _alias(torch.nn.functional.pad(flat, (0, self.nb * per_block - width)), shape)
+            if output:
+                self._outputs.append((flat, out))
+        torch._dynamo.mark_static(out, out.dim() - 1)
+        return out
+
+    def write_back(self) -> None:
+        for flat, out in self._outputs:
+            flat.copy_(out.view(self.rows, -1)[:, :flat.shape[1]])
+
+
+def _static_config():
+    """Dynamo/shape settings of every kernel call (see the module docstring)."""
+    dyn = torch._dynamo.config.patch(specialize_int=True, specialize_float=True)
+    shapes = torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    return dyn, shapes
 
 
 def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
               compile: bool = True) -> None:
     """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``)."""
     kernel = get_kernel(spec, p.device, compile)
+    space = None
     if spec.quantized:
         q0 = states[0]
-        rows, row_len = q0.rows, q0.row_len
+        unit = _block_unit([s.block_size for s in states])
+        space = _BlockSpace(q0.rows, q0.row_len, unit)
         flat: list[Tensor] = []
+        scales: list[Tensor] = []
         for s in states:
             codec = get_codec(s.format, s.signed, p.device)
-            flat += [_alias(s.codes, s.codes.shape), _alias(s.scale, s.scale.shape), *codec.tables]
-        args = (_alias(p.detach(), (rows, row_len)), _alias(g, (rows, row_len)), hyper, *flat)
+            scales.append(space.view(s.scale, unit // s.block_size, True))
+            flat += [space.view(s.codes, unit * codec.fmt.bits // 8, True), scales[-1], *codec.tables]
+        args = (space.view(p.detach(), unit, True, split=True), space.view(g, unit, False), hyper,
+                _block_limits(q0.rows, q0.row_len, unit, p.device), *flat)
     else:
         n = (p.numel(),)
         args = (_alias(p.detach(), n), _alias(g, n), hyper, *[_alias(s, n) for s in states])
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-        kernel(*args)
+    dyn, shapes = _static_config()
+    with dyn, shapes:
+        out = kernel(*args)
+    if space is not None:
+        for scale, new_scale in zip(scales, out):
+            scale.copy_(new_scale)
+        space.write_back()
+        for s in states:  # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
+            if s.fmt.bits == 4 and s.row_len % 2:
+                s.codes[:, -1] &= 0x0F
     # writes went through aliases: bump the version counters autograd checks
     torch.autograd.graph.increment_version(p)
-
-
-_ = Optional

@@ -1,0 +1,67 @@
+"""The fused quantized kernels (``qstate/optim/_kernels.py``): exact codes in block space, ragged rows, one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qstate
+from qstate.formats import FORMATS
+from qstate.optim import functional as F
+
+#: aligned rows (a whole number of blocks), ragged rows, odd 4-bit rows, one row, one element, 3-D
+SHAPES = [(4, 512), (64, 256), (33, 71), (7, 513), (1000,), (1,), (5, 3, 7)]
+
+
+def _sgd_first_step(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, compile: bool) -> None:
+    F.sgd([p], [g], [buf], [1], lr=0.1, momentum=0.9, compile=compile)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_compiled_state_is_bit_identical_to_quantize(fmt, shape):
+    # SGD's first step stores the gradient exactly (0 * buf + 1 * g): the compiled kernel's codes,
+    # scales and padding must equal qstate.quantize of the gradient bit for bit
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(shape, generator=gen)
+    g = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-6, 3, shape, generator=gen)
+    buf = qstate.zeros_like(p, fmt, signed=True, dtype=torch.float32)
+    p_ref = p.clone()
+    _sgd_first_step(p, g, buf, compile=True)
+    want = qstate.quantize(g, fmt, signed=True)
+    assert torch.equal(buf.codes, want.codes)
+    assert torch.equal(buf.scale, want.scale)
+    torch.testing.assert_close(p, p_ref - 0.1 * g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(33, 71), (4, 512)], ids=str)
+def test_mixed_block_sizes_match_eager(shape):
+    # first moment 8bit (block 256), second moment 4bit (block 128): one block space of 256 columns
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for compile in (False, True):
+        p = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+        m = qstate.zeros_like(p, "8bit", signed=True, dtype=torch.float32)
+        v = qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)
+        gen.manual_seed(1)
+        for step in range(1, 4):
+            g = torch.randn(shape, generator=gen)
+            F.adamw([p], [g], [m], [v], [step], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                    compile=compile)
+        out[compile] = (p, m, v)
+    (pe, me, ve), (pc, mc, vc) = out[False], out[True]
+    torch.testing.assert_close(pc, pe, rtol=0, atol=1e-5)
+    for qe, qc in ((me, mc), (ve, vc)):
+        assert (qe.codes == qc.codes).float().mean() > 0.99
+        torch.testing.assert_close(qc.dequantize(), qe.dequantize(), rtol=1e-2, atol=1e-6)
+
+
+def test_aligned_ragged_and_square_shapes_share_one_graph():
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for shape in [(3, 300), (256, 256), (512, 256), (1, 256), (2, 2), (300,), (256, 256)]:
+        p = torch.randn(shape)
+        buf = qstate.zeros_like(p, "8bit", signed=True, dtype=torch.float32)
+        for step in (1, 2):
+            F.sgd([p], [torch.randn(shape)], [buf], [step], lr=0.1, momentum=0.9, compile=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
