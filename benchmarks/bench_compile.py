@@ -1,56 +1,115 @@
-"""First-step time and number of compiled graphs of qstate AdamW on a model with many parameter shapes.
+"""First-step time (states + compilation) and compiled graph count on a model with many parameter shapes.
 
-    python benchmarks/bench_compile.py [--formats 8bit,4bit,fp8]
+The model has 6 distinct weight shapes that every 8-bit optimizer here
+quantizes (>= 4096 elements, a multiple of 256; one 4-D conv weight) and 6
+distinct 1-D shapes with plain states. qstate compiles one graph per kernel
+kind whatever the shapes; torchao's AdamW8bit compiles one per shape.
+Each candidate runs in a fresh process with an empty compile cache, so its
+first step includes all of its compilation.
 
-Every kernel kind (optimizer rule, flags, parameter dtype, state formats) is
-one graph whatever the shapes; the model below has 9 distinct shapes
-(2-D, 1-D, 4-D conv, uneven rows and blocks).
+    python benchmarks/bench_compile.py [--candidates "qstate 8bit,torchao AdamW8bit"] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import subprocess
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from qstate.optim import AdamW, kernel_kinds  # noqa: E402
+from _common import (RESULTS_DIR, cold_compile_cache, environment, parse_list, save_json, target_line,
+                     third_party_adamw8bit, timed)
+from qstate.optim import AdamW, kernel_kinds
+
+QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")
+TORCHAO = "torchao AdamW8bit"
 
 
 def model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 24, 5), torch.nn.Flatten(), torch.nn.Linear(24 * 12 * 12, 300),
-        torch.nn.Linear(300, 513), torch.nn.LayerNorm(513), torch.nn.Linear(513, 77), torch.nn.Linear(77, 10),
-    )
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(16, 64, 4), nn.Flatten(), nn.Linear(256, 512), nn.Linear(512, 768),
+                         nn.Linear(768, 1024), nn.Linear(1024, 384), nn.Linear(384, 128), nn.LayerNorm(128))
+
+
+def run_one(name: str) -> dict:
+    """In this (fresh) process: first and second step of ``name`` on :func:`model`, graphs compiled.
+
+    ``{"skipped": why}`` when ``name`` is a third-party optimizer that is not importable.
+    """
+    cold_compile_cache()
+    if name in QSTATE:
+        make = lambda ps: AdamW(ps, lr=1e-3, state_format=name.split()[1])  # noqa: E731
+    else:
+        makers, notes = third_party_adamw8bit()
+        if name not in makers:
+            return {"skipped": "; ".join(notes) if notes else f"unknown candidate {name!r}"}
+        make = makers[name]
+    m = model()
+    params = list(m.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make(params)
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    first = timed(opt.step)
+    graphs = counters["unique_graphs"] - before
+    second = timed(opt.step)
+    return {"first_step_s": first, "second_step_ms": 1e3 * second, "graphs": graphs,
+            "params": len(params), "numel": sum(p.numel() for p in params),
+            "shapes": len({tuple(p.shape) for p in params}),
+            "kernel_kinds": kernel_kinds() if name in QSTATE else []}
+
+
+def run_fresh(name: str) -> dict:
+    """:func:`run_one` in a new Python process (no compiled graph or cache shared with other candidates).
+
+    ``{"skipped": why}`` when that process fails (``why``: the last exception line it printed).
+    """
+    proc = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "Exception" in ln]
+        return {"skipped": f"its process failed: {errors[-1] if errors else f'exit code {proc.returncode}'}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="8bit,4bit,fp8")
-    ap.add_argument("--min-quantize-numel", type=int, default=4096)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--candidates", default=",".join(QSTATE + (TORCHAO,)))
+    ap.add_argument("--out", default=RESULTS_DIR, help="directory for bench_compile.json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one candidate, print its JSON
     args = ap.parse_args()
-    for fmt in args.formats.split(","):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        m = model()
-        shapes = sorted({tuple(p.shape) for p in m.parameters()})
-        opt = AdamW(m.parameters(), state_format=fmt, min_quantize_numel=args.min_quantize_numel)
-        x = torch.randn(8, 3, 16, 16)
-        m(x).sum().backward()
-        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        t0 = time.perf_counter()
-        opt.step()
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        opt.step()
-        second = time.perf_counter() - t0
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-        print(f"{fmt}: {len(shapes)} distinct shapes, {len(list(m.parameters()))} params -> {graphs} compiled graphs; "
-              f"first step {first:.1f} s, second {1e3 * second:.1f} ms")
-    print("kernel kinds:", *kernel_kinds(), sep="\n  ")
+    if args.one:
+        print(json.dumps(run_one(args.one)))
+        return
+    rows, notes = {}, []
+    for name in parse_list(args.candidates):
+        r = run_fresh(name)
+        if "skipped" in r:
+            notes.append(f"skipped {name}: {r['skipped']}")
+            print(notes[-1])
+            continue
+        rows[name] = r
+        print(f"  {name}: first step {r['first_step_s']:.1f} s", flush=True)
+    if not rows:
+        raise SystemExit("no optimizer ran (see the notes above)")
+    r0 = next(iter(rows.values()))
+    print(f"\nmodel: {r0['params']} parameters, {r0['numel']:,} elements, {r0['shapes']} distinct shapes "
+          f"(6 quantized weights, 6 plain 1-D); fresh process and empty compile cache per optimizer")
+    print(f"{'optimizer':20s} {'graphs':>6s} {'first step s':>12s} {'second step ms':>14s}")
+    for name, r in rows.items():
+        print(f"{name:20s} {r['graphs']:6d} {r['first_step_s']:12.2f} {r['second_step_ms']:14.2f}")
+    for name, r in rows.items():
+        if r["kernel_kinds"]:
+            print(f"{name} kernel kinds:", *r["kernel_kinds"], sep="\n  ")
+    ao, q8 = rows.get(TORCHAO), rows.get("qstate 8bit")
+    target = target_line("issue 5 target: qstate 8bit first step / torchao AdamW8bit first step",
+                         ao and q8 and q8["first_step_s"] / ao["first_step_s"], 1 / 3)
+    print(target)
+    save_json({"env": environment(), "command": " ".join(["python"] + sys.argv), "candidates": rows,
+               "notes": notes, "targets": [target]}, args.out, "bench_compile.json")
 
 
 if __name__ == "__main__":

@@ -1,151 +1,169 @@
-"""Optimizer step time and state memory: qstate AdamW (each format, eager/compiled) vs torch AdamW.
+"""Optimizer step time and state memory: qstate AdamW (each format, eager and compiled) vs torch AdamW.
 
-Ratios are to torch's fused fp32 AdamW measured in the same run, side by side.
-torchao.optim / bitsandbytes are included when importable.
+For each parameter count ``n`` every candidate optimizer holds its own states
+over one shared set of parameters (a ``[n / 1024, 1024]`` weight and a
+``[1024]`` bias) and gradients. After each candidate's first step (states,
+compilation from an empty compile cache; timed on its own) the candidates are
+timed interleaved (see ``_common.py``) and each median step is divided by
+torch's fused fp32 AdamW's.
+torchao's and bitsandbytes' 8-bit AdamW join when importable; a candidate
+whose first step raises is dropped with a printed note.
 
-    python benchmarks/bench_step.py --sizes 1M,16M [--repeats 10] [--out benchmarks/results]
+    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--only fused,8bit] [--out DIR]
+
+Writes ``DIR/bench_step.json`` and, when matplotlib imports
+(``pip install -e ".[bench]"``), ``DIR/bench_step.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
-import time
+from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import qstate  # noqa: E402
-from qstate.optim import AdamW  # noqa: E402
+from _common import (RESULTS_DIR, cold_compile_cache, environment, median_ms, parse_list, parse_size, save_json,
+                     state_nbytes, target_line, third_party_adamw8bit, time_interleaved, timed)
+from qstate.optim import AdamW
+
+BASELINE = "torch fused"
+QSTATE_FORMATS = ("8bit", "4bit", "fp8", "bf16", "fp32")
 
 
-def _size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
-
-
-def _params(n: int) -> list[torch.nn.Parameter]:
-    # a square-ish weight (rows of 1024) plus a bias-like vector
-    rows = max(1, n // 1024)
-    return [torch.nn.Parameter(torch.randn(rows, 1024)), torch.nn.Parameter(torch.randn(1024))]
-
-
-def _state_bytes(opt) -> int:
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, qstate.QuantizedState):
-                total += v.storage_nbytes()
-            elif isinstance(v, torch.Tensor) and v.dim() > 0:
-                total += v.numel() * v.element_size()
-            elif hasattr(v, "numel") and hasattr(v, "element_size"):
-                total += v.numel() * v.element_size()
-    return total
-
-
-def _candidates():
-    c = {
-        "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+def candidates() -> tuple[dict[str, Callable], list[str]]:
+    """Factories ``params -> optimizer`` (lr 1e-3, other arguments default), and notes on skipped ones."""
+    makers: dict[str, Callable] = {
+        BASELINE: lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     }
-    for fmt in ("8bit", "4bit", "fp8", "bf16", "fp32"):
+    for fmt in QSTATE_FORMATS:
         for compile in (True, False):
-            c[f"qstate {fmt} {'compiled' if compile else 'eager'}"] = (
+            makers[f"qstate {fmt} {'compiled' if compile else 'eager'}"] = (
                 lambda ps, fmt=fmt, compile=compile: AdamW(ps, lr=1e-3, state_format=fmt, compile=compile))
-    try:
-        from torchao.optim import AdamW8bit  # type: ignore
-
-        c["torchao AdamW8bit"] = lambda ps: AdamW8bit(ps, lr=1e-3)
-    except Exception:
-        pass
-    try:
-        import bitsandbytes as bnb  # type: ignore
-
-        c["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
-    except Exception:
-        pass
-    return c
+    others, notes = third_party_adamw8bit()
+    makers.update(others)
+    return makers, notes
 
 
-def bench(n: int, repeats: int, only: list[str] | None) -> dict:
-    rows = {}
-    for name, make in _candidates().items():
-        if only and not any(o in name for o in only):
-            continue
-        torch.manual_seed(0)
-        ps = _params(n)
-        for p in ps:
-            p.grad = torch.randn_like(p)
+def params_and_grads(n: int) -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(max(1, n // 1024), 1024)), torch.nn.Parameter(torch.randn(1024))]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[str]) -> dict:
+    """One size: per candidate the median step (ms), its ratio to the baseline, state bytes and first step."""
+    ps = params_and_grads(n)
+    numel = sum(p.numel() for p in ps)
+    opts, rows = {}, {}
+    for name, make in makers.items():
         opt = make(ps)
-        t0 = time.perf_counter()
-        opt.step()  # states + compile
-        first = time.perf_counter() - t0
-        opt.step()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-        rows[name] = {"median_ms": 1e3 * statistics.median(times), "first_step_s": first,
-                      "state_bytes": _state_bytes(opt), "numel": sum(p.numel() for p in ps)}
-        print(f"  {name:28s} {rows[name]['median_ms']:9.2f} ms  state {rows[name]['state_bytes'] / 2**20:8.1f} MiB",
-              flush=True)
-    base = rows.get("torch fused")
-    for r in rows.values():
-        r["time_vs_fused"] = r["median_ms"] / base["median_ms"] if base else None
-        r["memory_vs_fused"] = r["state_bytes"] / base["state_bytes"] if base else None
-    return rows
+        try:
+            first = timed(opt.step)  # creates the states, compiles
+        except Exception as e:
+            notes.append(f"dropped {name} at {numel} parameters: its first step raised "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            print(notes[-1], flush=True)
+            continue
+        opts[name] = opt
+        rows[name] = {"first_step_s": first, "state_bytes": state_nbytes(opt)}
+        print(f"  first step {name:24s} {first:8.2f} s", flush=True)
+    times = time_interleaved({name: opt.step for name, opt in opts.items()}, repeats)
+    base = rows.get(BASELINE)
+    for name, row in rows.items():
+        row["times_ms"] = [1e3 * t for t in times[name]]
+        row["median_ms"] = median_ms(times[name])
+        row["state_bytes_per_param"] = row["state_bytes"] / numel
+    for row in rows.values():
+        row["time_vs_fused"] = row["median_ms"] / base["median_ms"] if base else None
+        row["memory_vs_fused"] = row["state_bytes"] / base["state_bytes"] if base else None
+    return {"numel": numel, "candidates": rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1M,16M,64M", help="parameter counts, e.g. 1M,16M,64M")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--only", default="", help="comma list of substrings of candidate names")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args()
-    only = [o for o in args.only.split(",") if o]
-    results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "sizes": {}}
-    for s in args.sizes.split(","):
-        n = _size(s)
-        print(f"== {s} parameters ({n})", flush=True)
-        results["sizes"][s] = bench(n, args.repeats, only)
-    print("\nratios to torch fused fp32 AdamW (time / state memory)")
-    names = sorted({k for r in results["sizes"].values() for k in r})
-    print(f"{'optimizer':28s} " + " ".join(f"{s:>16s}" for s in results["sizes"]))
-    for name in names:
-        cells = []
-        for r in results["sizes"].values():
-            x = r.get(name)
-            cells.append(f"{x['time_vs_fused']:6.2f}x / {x['memory_vs_fused']:4.2f}" if x else " " * 16)
-        print(f"{name:28s} " + " ".join(f"{c:>16s}" for c in cells))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_step.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"\nsaved {path}")
+def print_table(label: str, size: dict) -> None:
+    print(f"\n{label}: {size['numel']:,} parameters; ratios to {BASELINE} fp32 AdamW")
+    print(f"{'optimizer':26s} {'step ms':>9s} {'x fused':>8s} {'state B/param':>13s} {'first step s':>12s}")
+    for name, r in size["candidates"].items():
+        ratio = f"{r['time_vs_fused']:8.2f}" if r["time_vs_fused"] is not None else f"{'-':>8s}"
+        print(f"{name:26s} {r['median_ms']:9.2f} {ratio} {r['state_bytes_per_param']:13.3f} "
+              f"{r['first_step_s']:12.2f}")
+
+
+def targets(sizes: dict) -> list[str]:
+    """The step-time targets of issue 5, per size (``not measured`` when a candidate is absent)."""
+    lines = []
+    for label, size in sizes.items():
+        c = size["candidates"]
+        q8 = c.get("qstate 8bit compiled")
+        lines.append(target_line(f"{label}: qstate 8bit compiled / torch fused", q8 and q8["time_vs_fused"], 1.5))
+        ao = c.get("torchao AdamW8bit")
+        lines.append(target_line(f"{label}: torchao AdamW8bit / qstate 8bit compiled",
+                                 ao and q8 and ao["median_ms"] / q8["median_ms"], 10.0, at_most=False))
+    return lines
+
+
+def plot(sizes: dict, path: str) -> None:
+    """Step-time ratio per size (log scale) and state bytes per parameter at the largest size."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"no plot: matplotlib not importable ({e}); pip install -e \".[bench]\"")
+        return
+    labels = list(sizes)
+    names = list(dict.fromkeys(n for s in sizes.values() for n in s["candidates"]))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [3, 2]})
+    colors = plt.cm.tab20.colors
+    for i, name in enumerate(names):
+        ys = [sizes[s]["candidates"].get(name, {}).get("time_vs_fused") for s in labels]
+        ax.plot(labels, [float("nan") if y is None else y for y in ys], marker="o", label=name,
+                color=colors[i % len(colors)], ls="--" if "eager" in name else "-")
+    ax.axhline(1.5, color="k", ls=":", lw=0.8, label="issue 5 target, 8bit compiled")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel(f"median step time / {BASELINE} AdamW")
+    last = sizes[labels[-1]]["candidates"]
+    bx.barh(list(last), [r["state_bytes_per_param"] for r in last.values()],
+            color=[colors[names.index(n) % len(colors)] for n in last])
+    bx.invert_yaxis()
+    bx.set_xlabel(f"state bytes / parameter ({labels[-1]})")
+    bx.tick_params(axis="y", labelsize=7)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=7)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
 
-        fig, ax = plt.subplots(figsize=(9, 5))
-        sizes = list(results["sizes"])
-        for name in names:
-            ys = [results["sizes"][s].get(name, {}).get("time_vs_fused") for s in sizes]
-            ax.plot(sizes, ys, marker="o", label=name)
-        ax.axhline(1.5, color="k", ls="--", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_ylabel("step time / torch fused AdamW")
-        ax.legend(fontsize=7)
-        fig.savefig(os.path.join(args.out, "bench_step.png"), dpi=120, bbox_inches="tight")
-    except Exception:
-        pass
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M", help="parameter counts (K/M/G = 2**10/20/30)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steps per candidate (median reported)")
+    ap.add_argument("--only", default="", help="comma list of substrings of candidate names (baseline kept)")
+    ap.add_argument("--out", default=RESULTS_DIR, help="directory for bench_step.json / .png")
+    args = ap.parse_args()
+    cold_compile_cache()  # first steps include compilation
+    makers, notes = candidates()
+    only = parse_list(args.only)
+    if only:
+        makers = {k: v for k, v in makers.items() if k == BASELINE or any(o in k for o in only)}
+    for note in notes:
+        print(note)
+    results = {"env": environment(), "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
+               "notes": notes, "sizes": {}}
+    for label in parse_list(args.sizes):
+        print(f"== {label}", flush=True)
+        results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes)
+    for label, size in results["sizes"].items():
+        print_table(label, size)
+    results["targets"] = targets(results["sizes"])
+    print("\nissue 5 targets:", *results["targets"], sep="\n  ")
+    save_json(results, args.out, "bench_step.json")
+    plot(results["sizes"], f"{args.out}/bench_step.png")
 
 
 if __name__ == "__main__":
