@@ -231,6 +231,9 @@ def test_accelerator_lr_with_cpu_params_never_mixes_devices(quantized):
             fn([p], [g], [m], [v], [1], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
         F.lion([p], [g], [m], [3], lr=lr, beta1=0.9, beta2=0.99, weight_decay=0.1)
         F.sgd([p], [g], [m], [2], lr=lr, momentum=0.9, nesterov=True, weight_decay=0.1)
+        # a GradScaler's scale on the accelerator with CPU gradients (torch.amp.GradScaler("cuda") + offload)
+        F.adamw([p], [g], [m], [v], [2], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                grad_scale=torch.empty((), device="cuda"))
         assert p.device.type == "cpu" and m.device.type == "cpu"
 
 
