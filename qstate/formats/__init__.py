@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._base import BlockFormat, nearest_code
 from .fp8 import FP8, Float8Format
-from .map_formats import EIGHT_BIT, FOUR_BIT, MapFormat, dynamic_map
+from .map_formats import EIGHT_BIT, FOUR_BIT, MapFormat, dynamic_map, normal_map
 
 __all__ = [
     "BlockFormat",
@@ -19,6 +19,7 @@ __all__ = [
     "register_format",
     "unregister_format",
     "dynamic_map",
+    "normal_map",
     "nearest_code",
 ]
 
