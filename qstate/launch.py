@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -49,6 +50,11 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Callable
         raise
     finally:
         dist.destroy_process_group()
+    # Success: leave without interpreter finalization, where gloo's worker threads can still
+    # release tensors and abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
