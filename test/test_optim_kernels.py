@@ -65,3 +65,27 @@ def test_aligned_ragged_and_square_shapes_share_one_graph():
         for step in (1, 2):
             F.sgd([p], [torch.randn(shape)], [buf], [step], lr=0.1, momentum=0.9, compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("fmt", sorted(n for n, f in FORMATS.items() if f.make_qmap(True) is not None))
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_packed_table_encode_is_exact_at_every_threshold(fmt, signed):
+    # the packed one-lookup encode (_codec.build_tables) against format.code_of on float bit patterns
+    # spread over [-1, 1] and on every code threshold +- 3 ulps (where an inexact table would differ)
+    from qstate.formats import get_format
+    from qstate.optim._codec import _code_thresholds, get_codec
+
+    f = get_format(fmt)
+    codec = get_codec(fmt, signed, torch.device("cpu"))
+    top = int(torch.tensor(1.0).view(torch.int32))
+    spread = torch.arange(0, top + 1, 997, dtype=torch.int32).view(torch.float32)
+    t = _code_thresholds(codec.qmap)
+    near = [t]
+    for direction in (2.0, -2.0):
+        x = t
+        for _ in range(3):
+            x = torch.nextafter(x, torch.tensor(direction))
+            near.append(x)
+    y = torch.cat([spread, -spread, *near]).clamp(-1.0, 1.0)
+    want = f.code_of(y, signed, f.make_qmap(signed))
+    assert torch.equal(codec.encode(y, codec.tables), want)

@@ -10,12 +10,13 @@ so a state written by a compiled kernel equals one written by
 Why not call ``format.code_of`` in the kernel: for map formats it is a
 ``searchsorted`` over the code map, which inductor runs as a separate
 (non-fused, single-threaded) aten call over the whole state. Here the nearest
-code comes from two table lookups: the float bits of ``|y|`` (exponent and the
-top ``M`` mantissa bits, plus the sign) index a table holding the lower
-candidate code ``c`` and the largest float ``t_c`` whose nearest code is still
-``c``; the code is ``c + (y > t_c)``. The tables are built once per map by
-bisection over float bit patterns, so ties and rounding match
-``nearest_code`` exactly (including "ties go to the lower code"). Formats
+code comes from one lookup in a packed ``int32`` table: the float bits of
+``|y|`` (exponent and the top ``M`` mantissa bits, plus the sign) index an
+entry holding the lower candidate code ``c`` and the low mantissa bits of the
+largest float ``t_c`` whose nearest code is still ``c``; the code is ``c`` plus
+an integer compare of ``y``'s low bits with those (see :func:`build_tables`).
+The table is built once per map by bisection over float bit patterns, so ties
+and rounding match ``nearest_code`` exactly (including "ties go to the lower code"). Formats
 whose ``code_of`` is already elementwise arithmetic (``fp8``) and formats this
 module does not know use their own ``code_of``/``value_of``.
 """
@@ -31,8 +32,8 @@ from ..formats import BlockFormat, MapFormat, get_format, nearest_code
 
 __all__ = ["Codec", "get_codec"]
 
-#: values below 2**-_E_MIN (relative to the block's absmax) share the first table bucket
-_E_MIN = 24
+#: smallest and largest ``E``: normalized values below ``2**-E`` share the first table bucket
+_E_RANGE = (24, 40)
 
 
 def _ordered_key(x: Tensor) -> Tensor:
@@ -60,32 +61,71 @@ def _code_thresholds(qmap: Tensor) -> Tensor:
     return _from_ordered_key(lo)
 
 
-def build_tables(qmap: Tensor) -> tuple[Tensor, Tensor, tuple[int, int, int]]:
-    """Lookup tables of a sorted code map: ``(lower code, threshold, (M, base, K))``.
+def _bits(x: Tensor) -> Tensor:
+    return x.view(torch.int32).long()
 
-    Bucket ``key(y) = clamp((bits(|y|) >> (23 - M)) - base, 0, K - 1) + K * (y < 0)``
-    holds floats whose nearest code is ``c`` or ``c + 1``; ``M`` is the smallest
-    mantissa width for which every bucket spans at most two codes.
+
+def _floats(bits: Tensor) -> Tensor:
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _try_table(qmap: Tensor, thresholds: Tensor, m_bits: int, e_min: int) -> Optional[Tensor]:
+    """The packed table for ``(M, E)``, or ``None`` if a bucket spans more than two codes.
+
+    Bucket ``k`` of ``|y|``'s bit patterns is ``[La, La + mask]`` with ``La = (k + base) << shift``
+    (bucket 0 also holds everything below, bucket ``K - 1`` everything above); it must span
+    at most two codes, and bucket 0 (whose low bits mean nothing) exactly one.
+    """
+    shift, mask = 23 - m_bits, (1 << (23 - m_bits)) - 1
+    base = (127 - e_min) << m_bits
+    k = (127 << m_bits) - base + 1
+    la = (torch.arange(k, dtype=torch.int64) + base) << shift
+    lo = la.clone()
+    lo[0] = 0
+    hi = la + mask
+    lo_f, hi_f = _floats(lo), _floats(hi)
+    fields = []
+    # positive side: code = c + (y > t_c)  <=>  c + (low > bits(t_c) - La)
+    c_lo, c_hi = nearest_code(lo_f, qmap), nearest_code(hi_f, qmap)
+    # negative side (y in [-hi, -lo]): code = c + (y > t_c)  <=>  c + (|y| < |t_c|)  <=>  c + (mask - low > mask - f)
+    n_lo, n_hi = nearest_code(-hi_f, qmap), nearest_code(-lo_f, qmap)
+    for c, c_top in ((c_lo, c_hi), (n_lo, n_hi)):
+        if int((c_top - c).max()) > 1 or int(c_top[0]) != int(c[0]):
+            return None
+    never = torch.full((k,), mask, dtype=torch.int64)
+    t_pos = _bits(thresholds[c_lo])
+    fields.append(torch.where(c_hi > c_lo, t_pos - la, never))
+    t_neg = _bits(thresholds[n_lo].abs())
+    fields.append(torch.where(n_hi > n_lo, mask - (t_neg - la), never))
+    codes = torch.cat([c_lo, n_lo])
+    field = torch.cat(fields)
+    assert bool(((field >= 0) & (field <= mask)).all()) and int(codes.max()) < 256
+    return ((field << 8) | codes).to(torch.int32)
+
+
+def build_tables(qmap: Tensor) -> tuple[Tensor, tuple[int, int, int]]:
+    """One packed ``int32`` lookup table of a sorted code map, and its ``(M, base, K)``.
+
+    With ``shift = 23 - M``, ``low = bits(|y|) & (2**shift - 1)`` and
+    ``key(y) = clamp((bits(|y|) >> shift) - base, 0, K - 1) + K * (y < 0)``,
+    ``entry = table[key]`` gives the code ``(entry & 255) + (low' > entry >> 8)``
+    where ``low' = low`` for ``y >= 0`` and ``2**shift - 1 - low`` for ``y < 0``:
+    each bucket (a range of bit patterns sharing the exponent and top ``M``
+    mantissa bits) holds at most two codes and the threshold between them is
+    stored as the low bits of the largest float whose nearest code is the lower
+    one (:func:`_code_thresholds`), so the integer compare equals ``y > t_c``
+    exactly. ``(M, E)`` is the smallest table for which that holds and the
+    first bucket (every ``|y| < 2**-E``) has a single code.
     """
     qmap = qmap.detach().float().cpu()
-    n = qmap.numel()
     thresholds = _code_thresholds(qmap)
     for m_bits in range(4, 14):
-        shift = 23 - m_bits
-        base = (127 - _E_MIN) << m_bits
-        k = (127 << m_bits) - base + 1
-        keys = torch.arange(k, dtype=torch.int64)
-        lo_bits = (keys + base) << shift
-        hi_bits = lo_bits + (1 << shift) - 1
-        lo_bits[0] = 0
-        lo = lo_bits.to(torch.int32).view(torch.float32)
-        hi = hi_bits.to(torch.int32).view(torch.float32)
-        pos = nearest_code(lo, qmap), nearest_code(hi, qmap)
-        neg = nearest_code(-hi, qmap), nearest_code(-lo, qmap)
-        if int((pos[1] - pos[0]).max()) <= 1 and int((neg[1] - neg[0]).max()) <= 1:
-            lower = torch.cat([pos[0], neg[0]]).clamp(max=n - 2)
-            return lower.to(torch.int32), thresholds[lower], (m_bits, base, k)
-    raise ValueError(f"code map of {n} entries is too dense for a {_E_MIN}-exponent lookup table")
+        for e_min in range(*_E_RANGE):
+            table = _try_table(qmap, thresholds, m_bits, e_min)
+            if table is not None:
+                base = (127 - e_min) << m_bits
+                return table, (m_bits, base, (127 << m_bits) - base + 1)
+    raise ValueError(f"code map of {qmap.numel()} entries is too dense for a lookup table")
 
 
 class Codec:
@@ -108,8 +148,8 @@ class Codec:
         if self.qmap is not None:
             tables.append(self.qmap)
         if self.lookup:
-            lower, thresholds, (self.m_bits, self.base, self.k) = build_tables(self.qmap)
-            tables += [lower, thresholds]
+            table, (self.m_bits, self.base, self.k) = build_tables(self.qmap)
+            tables.append(table)
         self.tables = [t.to(self.device) for t in tables]
         for t in self.tables:
             torch._dynamo.mark_static(t)
@@ -128,11 +168,15 @@ class Codec:
         """``uint8`` codes of normalized values ``y`` (== ``format.code_of(y, signed, qmap)``)."""
         if not self.lookup:
             return self.fmt.code_of(y, self.signed, tables[0] if tables else None)
-        _, lower, thresholds = tables
+        shift = 23 - self.m_bits
+        mask = (1 << shift) - 1
         bits = y.abs().view(torch.int32)
-        key = ((bits >> (23 - self.m_bits)) - self.base).clamp(0, self.k - 1)
-        key = key + (y < 0).to(torch.int32) * self.k
-        idx = lower[key] + (y > thresholds[key]).to(torch.int32)
+        neg = y < 0
+        key = ((bits >> shift) - self.base).clamp(0, self.k - 1)
+        entry = tables[1][torch.where(neg, key + self.k, key)]
+        low = bits & mask
+        low = torch.where(neg, mask - low, low)
+        idx = (entry & 0xFF) + (low > (entry >> 8)).to(torch.int32)
         if not self.signed:  # as MapFormat.code_of: a positive value never takes the zero code
             idx = torch.where((idx == self.zero_code) & (y > 0), idx + 1, idx)
         return idx.to(torch.uint8)
