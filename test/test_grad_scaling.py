@@ -98,6 +98,30 @@ def test_torch_grad_scaler_uses_the_fused_protocol():
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
 
 
+def test_qstate_scaler_equals_torch_scaler_on_plain_tensors():
+    # no DTensor: qstate.amp.GradScaler checks locally, as torch.amp.GradScaler does
+    runs = {}
+    for name, make in (("torch", torch.amp.GradScaler), ("qstate", qstate.amp.GradScaler)):
+        ps = _params()
+        opt = qstate.optim.AdamW(ps, lr=1e-2, state_format="8bit", min_quantize_numel=0)
+        scaler = make("cpu", init_scale=SCALE, growth_interval=2)
+        scales = []
+        for step in range(5):
+            scaler.scale(torch.ones(()))
+            _set_grads(ps, step, scaler.get_scale())
+            if step == 2:
+                ps[1].grad[0] = float("nan")
+            if step == 3:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        runs[name] = (_snapshot(opt, ps), scales)
+    assert _same(runs["qstate"][0], runs["torch"][0])
+    # grows every 2 clean steps, halves at the NaN
+    assert runs["qstate"][1] == runs["torch"][1] == [SCALE, 2 * SCALE, SCALE, SCALE, 2 * SCALE]
+
+
 # ------------------------------------------------------------------ FSDP2, gloo
 def _model() -> nn.Module:
     torch.manual_seed(0)
