@@ -1,0 +1,131 @@
+"""CUDA checks, for sessions that have a GPU (not collected by pytest; CI has no GPU).
+
+    python test/cuda_checks.py        # one GPU is enough; exits non-zero on the first failure
+
+Each check prints one line. They cover the paths the CPU suite can only reach
+with FakeTensors: the FSDP2 + CPUOffloadPolicy + compiled 8-bit step with a
+CUDA ``lr`` tensor (the field's "two different devices" crash), gradient
+scaling with CPU-offloaded gradients and a CUDA scale, the compiled kernels
+on CUDA against eager, and loading CPU-saved states onto CUDA.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import qstate  # noqa: E402
+import qstate.amp  # noqa: E402
+import qstate.optim  # noqa: E402
+
+
+def _model(device: str) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(129, 65), nn.ReLU(), nn.Linear(65, 7)).to(device)
+
+
+def _fsdp_offloaded(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 129, generator=torch.Generator().manual_seed(step)).cuda()
+
+
+def check_offload_compiled_step_with_cuda_lr() -> None:
+    model = _fsdp_offloaded(_model("cuda"))
+    opt = qstate.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2, device="cuda"), state_format="8bit",
+                             min_quantize_numel=100)
+    ref = _model("cpu")
+    ref_opt = qstate.optim.AdamW(ref.parameters(), lr=1e-2, state_format="8bit", min_quantize_numel=100)
+    for step in range(3):
+        model(_batch(step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(_batch(step).cpu()).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.to_local().device.type == "cpu"
+        torch.testing.assert_close(p.full_tensor().cpu(), r.detach(), rtol=1e-4, atol=1e-5)
+    for st in opt.state.values():
+        assert all(v.device.type == "cpu" for v in st.values())
+
+
+def check_grad_scaler_with_offloaded_grads() -> None:
+    model = _fsdp_offloaded(_model("cuda"))
+    opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, state_format="8bit", min_quantize_numel=100)
+    scaler = qstate.amp.GradScaler("cuda", init_scale=2.0**10)
+    for step in range(4):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(_batch(step)).float().square().mean()
+        scaler.scale(loss).backward()
+        if step == 3:
+            next(model.parameters()).grad.to_local().view(-1)[0] = float("inf")
+            before = [p.to_local().clone() for p in model.parameters()]
+            scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+
+
+def check_compiled_kernels_equal_eager_on_cuda() -> None:
+    for fmt in ("8bit", "4bit", "fp8"):
+        runs = []
+        for compile in (True, False):
+            torch.manual_seed(0)
+            ps = [nn.Parameter(torch.randn(65, 257, device="cuda")), nn.Parameter(torch.randn(33, 7, device="cuda"))]
+            opt = qstate.optim.AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=0, compile=compile)
+            for step in range(3):
+                for p in ps:
+                    p.grad = torch.randn(p.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+                opt.step()
+            runs.append([opt.state[p]["exp_avg"] for p in ps])
+        for a, b in zip(*runs):
+            agree = (a.codes == b.codes).float().mean().item()
+            assert agree > 0.999, (fmt, agree)
+
+
+def check_cpu_saved_state_loads_on_cuda() -> None:
+    q = qstate.quantize(torch.randn(300, 70), "4bit", signed=False)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True, map_location="cuda")
+    assert back.device.type == "cuda" and back.codes.device.type == "cuda"
+    assert torch.equal(back.dequantize().cpu(), q.dequantize())
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("cuda_checks: no CUDA device")
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29577")
+    dist.init_process_group("nccl" if dist.is_nccl_available() else "gloo", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    checks = [check_offload_compiled_step_with_cuda_lr, check_grad_scaler_with_offloaded_grads,
+              check_compiled_kernels_equal_eager_on_cuda, check_cpu_saved_state_loads_on_cuda]
+    try:
+        for check in checks:
+            check()
+            print(f"ok   {check.__name__}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
