@@ -12,7 +12,9 @@ Paths
 * ``compile=True`` and a plain parameter whose states are all plain tensors
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
-  ``_kernels.py``).
+  ``_kernels.py``), except parameters with plain states and fewer than
+  :data:`SMALL_PLAIN_NUMEL` elements (biases, norms), which run eagerly:
+  faster than a kernel call for them, and nothing to compile.
 * ``compile=True`` and a DTensor parameter whose gradient and states share its
   shape, mesh and (non-Partial) placements, without stochastic rounding: the
   operator ``qstate::fused_update``, which DTensor runs shard by shard with
@@ -145,7 +147,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         step = _step_of(s)
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
-        if compile and fusable(p, g, st):
+        if compile and fusable(p, g, st) and not _small_and_plain(p, st):
             spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
         elif compile and not sr and _one_layout(p, g, st):
@@ -155,6 +157,16 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             fused_update(p, g, st, scalars.hyper(step, p.device), call_key(FusedCall(rule.name, static, sr, True)))
         else:
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+
+
+#: plain-state parameters below this size run the eager math even with ``compile=True``: measured
+#: on CPU, 0.05 ms per parameter eagerly vs 0.15 ms through a compiled kernel's call overhead at
+#: 4096 elements (even at 65536), and no kernel to compile for them
+SMALL_PLAIN_NUMEL = 65536
+
+
+def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
+    return p.numel() < SMALL_PLAIN_NUMEL and all(type(s) is Tensor for s in states)
 
 
 def _one_layout(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
