@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
+__all__ = ["is_dtensor", "is_quantized_state", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
            "DEFAULT_MIN_QUANTIZE_NUMEL"]
 
 #: tensors with fewer elements keep a plain fp32 state
@@ -35,6 +35,13 @@ def is_dtensor(x: Any) -> bool:
     except ImportError:  # torch built without distributed
         return False
     return isinstance(x, DTensor)
+
+
+def is_quantized_state(t: Tensor) -> bool:
+    """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
+    from ._state import QuantizedState
+
+    return isinstance(t._local_tensor if is_dtensor(t) else t, QuantizedState)
 
 
 def state_kind(t: Tensor) -> str:

@@ -37,7 +37,11 @@ class FusedCall:
     rule: str
     flags: tuple  # sorted (name, value) pairs
     stochastic_round: bool
-    compile: bool
+    #: run the rule's math op by op on the shard (small plain states, as for plain tensors); then
+    #: ``hyper`` holds the eager scalars in float64 and the names in ``tensor_scalars`` were float32
+    #: tensors, so the shard computes exactly what the eager path computes on a plain tensor
+    eager: bool = False
+    tensor_scalars: tuple = ()
 
 
 #: ``kind`` string -> call; one entry per distinct optimizer configuration in the process
@@ -55,12 +59,17 @@ def _update_shard(param: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: 
     call = _CALLS[kind]
     rule, flags = RULES[call.rule], dict(call.flags)
     states = list(states)
-    if fusable(param, grad, states):
+    if call.eager:
+        h = dict(zip(rule.scalar_names, hyper.tolist()))
+        for name in call.tensor_scalars:
+            h[name] = torch.tensor(h[name], dtype=torch.float32, device=param.device)
+    elif fusable(param, grad, states):
         spec = KernelSpec(call.rule, call.flags, param.dtype, call.stochastic_round,
                           tuple(state_entry(s) for s in states), param.device.type)
-        run_fused(spec, param, grad, states, hyper, call.compile)
+        run_fused(spec, param, grad, states, hyper)
         return
-    h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
+    else:
+        h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
     update_eagerly(rule, flags, param, grad, states, h, call.stochastic_round)
 
 

@@ -43,7 +43,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..distributed import is_dtensor
+from ..distributed import is_dtensor, is_quantized_state
 from ._fused_op import FusedCall, call_key, fused_update
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
@@ -147,14 +147,23 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         step = _step_of(s)
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
-        if compile and fusable(p, g, st) and not _small_and_plain(p, st):
+        small = _small_and_plain(p, st)
+        if compile and not small and fusable(p, g, st):
             spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
         elif compile and not sr and _one_layout(p, g, st):
-            # DTensor runs the fused update on every shard (qstate::fused_update, no collectives).
+            # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
+            # compiled kernel, or for small plain states the eager math with the eager scalars.
             # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
             # path draws from the positional stream of the DTensor rules (independent shards).
-            fused_update(p, g, st, scalars.hyper(step, p.device), call_key(FusedCall(rule.name, static, sr, True)))
+            if small:
+                h = scalars.eager(step, p.device)
+                hyper = torch.tensor([float(h[n]) for n in rule.scalar_names], dtype=torch.float64)
+                call = FusedCall(rule.name, static, sr, eager=True,
+                                 tensor_scalars=tuple(n for n in rule.scalar_names if isinstance(h[n], Tensor)))
+            else:
+                hyper, call = scalars.hyper(step, p.device), FusedCall(rule.name, static, sr)
+            fused_update(p, g, st, hyper, call_key(call))
         else:
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
 
@@ -166,7 +175,8 @@ SMALL_PLAIN_NUMEL = 65536
 
 
 def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
-    return p.numel() < SMALL_PLAIN_NUMEL and all(type(s) is Tensor for s in states)
+    # numel() of a DTensor is global: the same choice on every rank and world size
+    return p.numel() < SMALL_PLAIN_NUMEL and not any(is_quantized_state(s) for s in states)
 
 
 def _one_layout(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
