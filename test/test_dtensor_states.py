@@ -124,6 +124,24 @@ class TestDTensorStatePins(expecttest.TestCase):
             with self.assertRaises(NotImplementedError):
                 qstate.quantize(p, "4bit")
 
+    def test_fused_update_rejects_layouts_it_cannot_run_shard_by_shard(self):
+        from qstate._library import fused_update
+
+        def error(param, grad, states) -> str:
+            with self.assertRaises(Exception) as info:
+                fused_update(param, grad, states, torch.zeros(9), "unused")
+            return f"{type(info.exception).__name__}: {info.exception}"
+
+        with local_tensor.LocalTensorMode(WORLD):
+            mesh = init_device_mesh("cpu", (4,))
+            p = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
+            g = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
+            r = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate()])
+            partial = DTensor.from_local(torch.zeros(8, 16), mesh, [Partial()])
+            self.assertExpectedInline(error(p, g, [r]), """ValueError: qstate::fused_update on DTensors: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
+            self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: grad is a LocalTensor, expected a DTensor""")
+            self.assertExpectedInline(error(partial, partial, []), """ValueError: qstate::fused_update on DTensors: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+
 
 def test_policy_uses_global_numel_same_type_on_every_rank():
     with local_tensor.LocalTensorMode(WORLD) as mode:

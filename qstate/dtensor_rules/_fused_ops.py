@@ -10,29 +10,41 @@ zero collectives. ``hyper`` is a plain (replicated) tensor.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from qstate._library import fused_update
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "fused_update_handler"]
+__all__ = ["RULES", "fused_update_handler", "layout_mismatch"]
 
 
-def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
-    from torch.distributed.tensor import DTensor, Partial
+def layout_mismatch(param, grad, states) -> Optional[Exception]:
+    """Why this rule cannot run the update of ``param`` shard by shard (``None``: it can).
 
-    param, grad, states, hyper, kind = args
+    It can when ``param``, ``grad`` and every state are DTensors of one shape, mesh and
+    placements, none of them ``Partial``.
+    """
+    from torch.distributed.tensor import DTensor
+
     named = [("param", param), ("grad", grad)] + [(f"states[{i}]", s) for i, s in enumerate(states)]
     for name, t in named:
         if not isinstance(t, DTensor):
-            raise TypeError(f"qstate::fused_update on DTensors: {name} is a {type(t).__name__}, expected a DTensor")
+            return TypeError(f"{name} is a {type(t).__name__}, expected a DTensor")
         if t.device_mesh != param.device_mesh or t.placements != param.placements or t.shape != param.shape:
-            raise ValueError(
-                f"qstate::fused_update on DTensors: {name} must match param (shape {tuple(param.shape)}, "
-                f"placements {param.placements} on {param.device_mesh}), got shape {tuple(t.shape)}, "
-                f"placements {t.placements} on {t.device_mesh}"
+            return ValueError(
+                f"{name} must match param (shape {tuple(param.shape)}, placements {param.placements} on "
+                f"{param.device_mesh}), got shape {tuple(t.shape)}, placements {t.placements} on {t.device_mesh}"
             )
-    if any(isinstance(pl, Partial) for pl in param.placements):
-        raise ValueError(f"qstate::fused_update on DTensors: Partial placements {param.placements} are not "
-                         "shards of the update; redistribute first")
+    if any(pl.is_partial() for pl in param.placements):
+        return ValueError(f"Partial placements {param.placements} are not shards of the update; redistribute first")
+    return None
+
+
+def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
+    param, grad, states, hyper, kind = args
+    error = layout_mismatch(param, grad, states)
+    if error is not None:
+        raise type(error)(f"qstate::fused_update on DTensors: {error}")
     op_call(param._local_tensor, grad._local_tensor, [s._local_tensor for s in states], hyper, kind, **kwargs)
 
 

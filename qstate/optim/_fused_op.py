@@ -26,10 +26,10 @@ from torch import Tensor
 from .._library import LIBRARY, fused_update
 from ..ops import register
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
-from ._rules import RULES
+from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "fused_update"]
+__all__ = ["FusedCall", "call_key", "eager_call", "fused_update"]
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,27 @@ def call_key(call: FusedCall) -> str:
     return key
 
 
+def eager_call(rule: UpdateRule, flags: tuple, stochastic_round: bool, h: dict) -> tuple[Tensor, FusedCall]:
+    """``(hyper, call)`` running the eager math on each shard with the eager scalars ``h``."""
+    hyper = torch.tensor([float(h[n]) for n in rule.scalar_names], dtype=torch.float64)
+    tensors = tuple(n for n in rule.scalar_names if isinstance(h[n], Tensor))
+    return hyper, FusedCall(rule.name, flags, stochastic_round, eager=True, tensor_scalars=tensors)
+
+
+def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: torch.device) -> dict:
+    """The inverse of :func:`eager_call`: the eager scalars, floats and float32 tensors as given."""
+    h = dict(zip(rule.scalar_names, hyper.tolist()))
+    for name in call.tensor_scalars:
+        h[name] = torch.tensor(h[name], dtype=torch.float32, device=device)
+    return h
+
+
 def _update_shard(param: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: Tensor, kind: str) -> None:
     call = _CALLS[kind]
     rule, flags = RULES[call.rule], dict(call.flags)
     states = list(states)
     if call.eager:
-        h = dict(zip(rule.scalar_names, hyper.tolist()))
-        for name in call.tensor_scalars:
-            h[name] = torch.tensor(h[name], dtype=torch.float32, device=param.device)
+        h = _eager_scalars(rule, call, hyper, param.device)
     elif fusable(param, grad, states):
         spec = KernelSpec(call.rule, call.flags, param.dtype, call.stochastic_round,
                           tuple(state_entry(s) for s in states), param.device.type)

@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
-from ._fused_op import FusedCall, call_key, fused_update
+from ..dtensor_rules._fused_ops import layout_mismatch
+from ._fused_op import FusedCall, call_key, eager_call, fused_update
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -157,10 +158,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
             # path draws from the positional stream of the DTensor rules (independent shards).
             if small:
-                h = scalars.eager(step, p.device)
-                hyper = torch.tensor([float(h[n]) for n in rule.scalar_names], dtype=torch.float64)
-                call = FusedCall(rule.name, static, sr, eager=True,
-                                 tensor_scalars=tuple(n for n in rule.scalar_names if isinstance(h[n], Tensor)))
+                hyper, call = eager_call(rule, static, sr, scalars.eager(step, p.device))
             else:
                 hyper, call = scalars.hyper(step, p.device), FusedCall(rule.name, static, sr)
             fused_update(p, g, st, hyper, call_key(call))
@@ -180,11 +178,8 @@ def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
 
 
 def _one_layout(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-    """Whether ``p``, ``g`` and ``states`` are DTensors of one shape, mesh and non-Partial placements."""
-    if not is_dtensor(p) or any(pl.is_partial() for pl in p.placements):
-        return False
-    return all(is_dtensor(t) and t.shape == p.shape and t.device_mesh == p.device_mesh
-               and t.placements == p.placements for t in (g, *states))
+    """Whether DTensor's rule for ``qstate::fused_update`` runs this update shard by shard."""
+    return is_dtensor(p) and layout_mismatch(p, g, states) is None
 
 
 def _check_lists(what: str, **lists: Optional[Sequence]) -> None:
