@@ -31,13 +31,6 @@ def model() -> nn.Module:
                          nn.LayerNorm(257), nn.Linear(257, 65))
 
 
-def state_nbytes(s: torch.Tensor) -> int:
-    local = s.to_local() if qstate.distributed.is_dtensor(s) else s
-    if isinstance(local, qstate.QuantizedState):
-        return local.storage_nbytes()
-    return local.numel() * local.element_size()
-
-
 def body(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -57,7 +50,7 @@ def body(rank: int, world_size: int, out: str) -> None:
                     s = torch.zeros_like(p)
                 else:
                     s = qstate.state_like(p, fmt, signed=signed)
-                nbytes += state_nbytes(s)
+                nbytes += qstate.distributed.local_nbytes(s)
         per_rank = torch.tensor([nbytes], dtype=torch.float64)
         gathered = [torch.zeros_like(per_rank) for _ in range(world_size)]
         dist.all_gather(gathered, per_rank)

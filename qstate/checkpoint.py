@@ -27,12 +27,6 @@ from ._state import QuantizedState
 __all__ = ["load", "NamingLoadPlanner"]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from .distributed import is_dtensor
-
-    return t._local_tensor if is_dtensor(t) else t
-
-
 class NamingLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that names each quantized destination after its key,
     so a mismatch error says which state it is."""

@@ -47,7 +47,7 @@ import torch.nn as nn
 import qstate
 import qstate.optim
 from qstate._demo_model import MarkovText, ModelConfig, TinyTransformer
-from qstate.distributed import is_dtensor
+from qstate.distributed import is_dtensor, local_nbytes
 from qstate.launch import default_backend, run_ranks
 
 __all__ = ["main", "parse_args", "DemoConfig", "OPTIMIZERS", "STATE_FORMATS"]
@@ -225,17 +225,9 @@ def build_optimizer(model: nn.Module, cfg: DemoConfig, run: Run) -> torch.optim.
                                                    state_format=run.state_format)
 
 
-def state_nbytes(state: torch.Tensor) -> int:
-    """Bytes this rank holds for ``state``: ``storage_nbytes()`` if quantized, else ``numel * element_size``."""
-    local = state.to_local() if is_dtensor(state) else state
-    if isinstance(local, qstate.QuantizedState):
-        return local.storage_nbytes()
-    return local.numel() * local.element_size()
-
-
 def optimizer_state_nbytes(optim: torch.optim.Optimizer) -> int:
     """Bytes of all tensor states of ``optim`` held by this rank."""
-    return sum(state_nbytes(v) for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return sum(local_nbytes(v) for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
 # ---------------------------------------------------------------- training (on a rank)

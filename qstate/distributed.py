@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "is_quantized_state", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
+__all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
            "DEFAULT_MIN_QUANTIZE_NUMEL"]
 
 #: tensors with fewer elements keep a plain fp32 state
@@ -37,11 +37,26 @@ def is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
+def local_of(t: Tensor) -> Tensor:
+    """This rank's tensor: a DTensor's local tensor, or ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def local_nbytes(state: Tensor) -> int:
+    """Bytes this rank holds for ``state``: ``storage_nbytes()`` if quantized, else ``numel * element_size``."""
+    from ._state import QuantizedState
+
+    local = local_of(state)
+    if isinstance(local, QuantizedState):
+        return local.storage_nbytes()
+    return local.numel() * local.element_size()
+
+
 def is_quantized_state(t: Tensor) -> bool:
     """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
     from ._state import QuantizedState
 
-    return isinstance(t._local_tensor if is_dtensor(t) else t, QuantizedState)
+    return isinstance(local_of(t), QuantizedState)
 
 
 def state_kind(t: Tensor) -> str:
@@ -52,7 +67,7 @@ def state_kind(t: Tensor) -> str:
     """
     from ._state import QuantizedState
 
-    local = t._local_tensor if is_dtensor(t) else t
+    local = local_of(t)
     if isinstance(local, QuantizedState):
         return f"{local.format} {'signed' if local.signed else 'unsigned'} block_size={local.block_size}"
     return f"plain {local.dtype}"

@@ -171,4 +171,6 @@ def test_states_stay_on_the_local_device_when_the_mesh_is_elsewhere():
         assert local.device.type == "cpu" and local.codes.device.type == "cpu"
         assert s.device_mesh.device_type == "cuda" and tuple(s.shape) == (65, 129)
         assert tuple(local.shape) == (17, 129)
+        assert qstate.distributed.local_nbytes(s) == local.storage_nbytes()  # this rank's bytes only
+    assert qstate.distributed.local_nbytes(p) == 17 * 129 * 4
     assert torch.equal(qstate.quantize(p, "8bit").to_local().dequantize(), qstate.quantize(p.to_local(), "8bit").dequantize())
