@@ -11,8 +11,10 @@ code never unwraps a DTensor and issues no collectives. On the shard:
 
 Both run :func:`~qstate.optim._kernels.run_fused` (one compiled graph per
 kernel kind, as for local tensors) when the shard is fusable, else the same
-rule math op by op. ``kind`` is the key of a :class:`FusedCall` registered by
-:func:`call_key` (rule, static flags, stochastic rounding, compile).
+rule math op by op; calls built by :func:`eager_call` (small plain states)
+always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
+registered by :func:`call_key` (rule, static flags, stochastic rounding,
+eager).
 """
 
 from __future__ import annotations

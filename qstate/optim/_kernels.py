@@ -198,9 +198,9 @@ def _flags_dict(spec: KernelSpec) -> dict:
     return dict(spec.flags)
 
 
-def get_kernel(spec: KernelSpec, device: torch.device, compile: bool = True) -> Callable:
-    """The kernel of ``spec`` on ``device`` (compiled unless ``compile=False``)."""
-    key = (spec, device.type, device.index, compile)
+def get_kernel(spec: KernelSpec, device: torch.device) -> Callable:
+    """The compiled kernel of ``spec`` on ``device``."""
+    key = (spec, device.type, device.index)
     fn = _KERNELS.get(key)
     if fn is None:
         rule = RULES[spec.rule]
@@ -211,15 +211,13 @@ def get_kernel(spec: KernelSpec, device: torch.device, compile: bool = True) -> 
         else:
             body = _plain_body(spec, rule, flags)
         body = _own_code(body, "qstate_kernel_" + spec.tag())
-        if compile:
-            body = torch.compile(body, fullgraph=True, dynamic=True, options=_INDUCTOR_OPTIONS)
-        fn = _KERNELS[key] = body
+        fn = _KERNELS[key] = torch.compile(body, fullgraph=True, dynamic=True, options=_INDUCTOR_OPTIONS)
     return fn
 
 
 def kernel_kinds() -> list[str]:
     """Tags of the kernels built so far in this process (one compiled graph each)."""
-    return sorted({k[0].tag() + ("" if k[3] else " (eager)") for k in _KERNELS})
+    return sorted({k[0].tag() for k in _KERNELS})
 
 
 def state_entry(state: Tensor) -> tuple:
@@ -310,10 +308,9 @@ def _static_config():
     return dyn, shapes
 
 
-def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
-              compile: bool = True) -> None:
+def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor) -> None:
     """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``)."""
-    kernel = get_kernel(spec, p.device, compile)
+    kernel = get_kernel(spec, p.device)
     space = None
     if spec.quantized:
         q0 = states[0]
