@@ -4,10 +4,13 @@
 states; the classes are ``torch.optim.Optimizer`` subclasses sharing one base,
 :class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
 state_dict). The update math of each lives once in ``_rules.py`` and runs
-either as fused compiled kernels (``_kernels.py``) or eagerly op by op.
+either as fused compiled kernels (``_kernels.py``: inductor, or on CPU a
+hand-written C kernel for map-format states, ``_cpu_kernel.py``) or eagerly
+op by op.
 """
 
 from . import functional
+from ._cpu_kernel import cpu_kernel_enabled
 from ._base import PLAIN_FORMATS, STATE_FORMATS, QuantizedOptimizer
 from ._kernels import kernel_kinds
 from ._rounding import stochastic_round_bf16
@@ -16,5 +19,5 @@ from .optimizers import SGD, Adam, AdamW, Lion
 
 __all__ = [
     "AdamW", "Adam", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",
-    "kernel_kinds", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
+    "kernel_kinds", "cpu_kernel_enabled", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
 ]

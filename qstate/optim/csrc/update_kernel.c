@@ -1,0 +1,252 @@
+/* Fused optimizer update over map-format quantized states (8bit, 4bit), CPU.
+ *
+ * Built by qstate/optim/_cpu_kernel.py, which prepends the configuration
+ * (one shared object per kernel kind, never per shape):
+ *
+ *   RULE_ADAM | RULE_LION | RULE_SGD     the update rule (qstate/optim/_rules.py)
+ *   DECOUPLED, AMSGRAD, MAXIMIZE, MOMENTUM, NESTEROV   the rule's static flags (0/1)
+ *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
+ *                                        is written rounded to nearest even)
+ *   NSTATES                              number of quantized states (1..3)
+ *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
+ *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
+ *   GROUP                                gcd of the block sizes: every state's scale is constant
+ *                                        over an aligned group of GROUP elements
+ *
+ * Semantics: exactly the compiled inductor kernel's (qstate/optim/_kernels.py):
+ * the rule's math in float32 with float32 scalars ``h`` (in scalar_names order),
+ * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
+ * absmax over valid elements (``scale == 0`` for a zero block, encoded with
+ * divisor 1), and each element encoded by the packed-table nearest-code lookup.
+ * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
+ *
+ * Layout: ``rows`` rows of ``row_len`` elements; param/grad contiguous;
+ * codes ``[rows, ceil(row_len * bits / 8)]`` (4-bit: element 2j in the low
+ * nibble of byte j), scales ``[rows, ceil(row_len / bs)]``. Blocks never cross
+ * rows. The work is split over (row, group of GROUP elements) items.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    uint8_t *codes;
+    float *scale;
+    const float *qmap;
+    const int32_t *table;
+    int64_t code_stride;  /* bytes per row */
+    int64_t scale_stride; /* scales per row */
+} qstate_t;
+
+static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+
+static inline float bf16_to_f(uint16_t v) { return u2f((uint32_t)v << 16); }
+
+#if PARAM_BF16
+typedef uint16_t param_t;
+static inline float load_p(param_t v) { return bf16_to_f(v); }
+static inline param_t store_p(float x) {
+    uint32_t u = f2u(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (param_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (param_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#else
+typedef float param_t;
+static inline float load_p(param_t v) { return v; }
+static inline param_t store_p(float x) { return x; }
+#endif
+
+#if GRAD_BF16
+typedef uint16_t grad_t;
+static inline float load_g(grad_t v) { return bf16_to_f(v); }
+#else
+typedef float grad_t;
+static inline float load_g(grad_t v) { return v; }
+#endif
+
+/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w) */
+static inline float lerp(float a, float b, float w) {
+    float d = b - a;
+    return fabsf(w) < 0.5f ? a + w * d : b - d * (1.0f - w);
+}
+/* clamp of m to [-limit, limit] that keeps a NaN m (as torch.minimum/maximum do) */
+static inline float clampf(float m, float limit) { return m < -limit ? -limit : (m > limit ? limit : m); }
+static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
+
+/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. */
+static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
+                         const float *restrict h) {
+#if RULE_ADAM
+    /* h: lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound */
+    const float lr = h[0], wd = h[5];
+    g = g * h[1];
+#if MAXIMIZE
+    g = -g;
+#endif
+#if DECOUPLED
+    p = p * (1.0f - lr * wd);
+#else
+    g = g + wd * p;
+#endif
+    float m = lerp(*s0, g, 1.0f - h[2]);
+    float v = *s1 * h[3] + g * g * (1.0f - h[3]);
+    *s0 = m;
+    *s1 = v;
+#if AMSGRAD
+    v = *s2 > v ? *s2 : v;
+    *s2 = v;
+#endif
+    float sqrt_v = sqrtf(v);
+    float limit = sqrt_v * h[8];
+    m = clampf(m, limit);
+    float step_size = lr / h[6];
+    float denom = sqrt_v / h[7] + h[4];
+    return p + (-step_size) * (m / denom);
+#elif RULE_LION
+    /* h: lr, grad_unscale, beta1, beta2, weight_decay */
+    const float lr = h[0], wd = h[4];
+    g = g * h[1];
+#if MAXIMIZE
+    g = -g;
+#endif
+    p = p * (1.0f - lr * wd);
+    float direction = signf(lerp(*s0, g, 1.0f - h[2]));
+    *s0 = lerp(*s0, g, 1.0f - h[3]);
+    return p + (-lr) * direction;
+#elif RULE_SGD
+    /* h: lr, grad_unscale, momentum, weight_decay, buf_keep, grad_keep */
+    const float lr = h[0];
+    g = g * h[1];
+#if MAXIMIZE
+    g = -g;
+#endif
+    g = g + h[3] * p;
+#if MOMENTUM
+    float buf = *s0 * h[4] + g * h[5];
+    *s0 = buf;
+#if NESTEROV
+    g = g + h[2] * buf;
+#else
+    g = buf;
+#endif
+#endif
+    return p + (-lr) * g;
+#else
+#error "no rule"
+#endif
+}
+
+/* Nearest code of a normalized value (qstate/optim/_codec.py Codec.encode). */
+#define ENCODE(i, y, out)                                                              \
+    do {                                                                               \
+        uint32_t bits_ = f2u(fabsf(y));                                                \
+        int32_t neg_ = (y) < 0.0f;                                                     \
+        int32_t key_ = (int32_t)(bits_ >> S##i##_SHIFT) - S##i##_BASE;                 \
+        key_ = key_ < 0 ? 0 : (key_ > S##i##_K - 1 ? S##i##_K - 1 : key_);              \
+        int32_t entry_ = tab##i[key_ + neg_ * S##i##_K];                               \
+        int32_t low_ = (int32_t)(bits_ & ((1u << S##i##_SHIFT) - 1u));                 \
+        low_ = neg_ ? (int32_t)((1u << S##i##_SHIFT) - 1u) - low_ : low_;              \
+        int32_t c_ = (entry_ & 0xFF) + (low_ > (entry_ >> 8));                          \
+        if (!S##i##_SIGNED) c_ = (c_ == S##i##_ZERO && (y) > 0.0f) ? c_ + 1 : c_;      \
+        (out) = (uint8_t)c_;                                                           \
+    } while (0)
+
+#define DECLARE_STATE(i)                                                                  \
+    const float *restrict qmap##i = st[i].qmap;                                           \
+    const int32_t *restrict tab##i = st[i].table;
+
+/* decode n <= GROUP codes of state i at column col of row r into vals<i>[] */
+#define DECODE_GROUP(i)                                                                   \
+    {                                                                                     \
+        const float sc = st[i].scale[r * st[i].scale_stride + col / S##i##_BS];           \
+        const uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                 \
+        if (S##i##_BITS == 8) {                                                           \
+            for (int64_t j = 0; j < n; j++) vals##i[j] = qmap##i[cp[col + j]] * sc;       \
+        } else {                                                                          \
+            const uint8_t *restrict bp = cp + col / 2;                                    \
+            for (int64_t j = 0; j < (n + 1) / 2; j++) {                                   \
+                vals##i[2 * j] = qmap##i[bp[j] & 15] * sc;                                \
+                vals##i[2 * j + 1] = qmap##i[bp[j] >> 4] * sc;                            \
+            }                                                                             \
+        }                                                                                 \
+    }
+
+#define DECLARE_VALS(i) float vals##i[GROUP + 1];
+#define LOAD_STATE(i) s##i = vals##i[j];
+#define STORE_STATE(i) newv##i[col - c0 + j] = s##i;
+#define DECLARE_NEWV(i) float newv##i[UNIT];
+
+/* absmax of each block of state i in [c0, c0 + len) of row r; new scales; codes */
+#define ENCODE_BLOCKS(i)                                                                  \
+    for (int64_t b0 = c0; b0 < c0 + len; b0 += S##i##_BS) {                               \
+        const int64_t bn = (c0 + len - b0) < S##i##_BS ? (c0 + len - b0) : S##i##_BS;     \
+        const float *restrict x = newv##i + (b0 - c0);                          \
+        /* |x| as bits: integer order is float order, and a NaN is above every number */  \
+        uint32_t abits = 0;                                                               \
+        for (int64_t j = 0; j < bn; j++) {                                                \
+            const uint32_t a = f2u(x[j]) & 0x7fffffffu;                                   \
+            abits = a > abits ? a : abits;                                                \
+        }                                                                                 \
+        const float amax = u2f(abits);                                                    \
+        st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = amax;                      \
+        const float div = amax == 0.0f ? 1.0f : amax;                                     \
+        uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
+        if (S##i##_BITS == 8) {                                                           \
+            _Pragma("GCC ivdep") /* codes never alias the tables */                       \
+            for (int64_t j = 0; j < bn; j++) {                                            \
+                uint8_t c;                                                                \
+                ENCODE(i, x[j] / div, c);                                                 \
+                cp[b0 + j] = c;                                                           \
+            }                                                                             \
+        } else {                                                                          \
+            uint8_t *restrict bp = cp + b0 / 2;                                           \
+            const int64_t pairs = bn / 2;                                                 \
+            _Pragma("GCC ivdep")                                                          \
+            for (int64_t j = 0; j < pairs; j++) {                                         \
+                uint8_t lo, hi;                                                           \
+                ENCODE(i, x[2 * j] / div, lo);                                            \
+                ENCODE(i, x[2 * j + 1] / div, hi);                                        \
+                bp[j] = (uint8_t)(lo | (hi << 4));                                        \
+            }                                                                             \
+            if (bn & 1) {                                                                 \
+                uint8_t lo;                                                               \
+                ENCODE(i, x[bn - 1] / div, lo);                                           \
+                bp[pairs] = lo;                                                           \
+            }                                                                             \
+        }                                                                                 \
+    }
+
+/* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
+static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
+                           int64_t r, int64_t c0, int64_t len) {
+    FOR_STATES(DECLARE_STATE)
+    FOR_STATES(DECLARE_NEWV)
+    FOR_STATES(DECLARE_VALS)
+    for (int64_t col = c0; col < c0 + len; col += GROUP) {
+        const int64_t n = (c0 + len - col) < GROUP ? (c0 + len - col) : GROUP;
+        FOR_STATES(DECODE_GROUP)
+        param_t *restrict pp = p + col;
+        const grad_t *restrict gp = g + col;
+        for (int64_t j = 0; j < n; j++) {
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+            FOR_STATES(LOAD_STATE)
+            pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h));
+            FOR_STATES(STORE_STATE)
+        }
+    }
+    FOR_STATES(ENCODE_BLOCKS)
+}
+
+/* The whole update: rows x row_len elements, split into (row, UNIT-segment) work items. */
+void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float *h, int64_t rows, int64_t row_len,
+                   int nthreads) {
+    const int64_t segs = (row_len + UNIT - 1) / UNIT;
+    const int64_t items = rows * segs;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t r = it / segs, c0 = (it % segs) * UNIT;
+        const int64_t len = (row_len - c0) < UNIT ? (row_len - c0) : UNIT;
+        update_segment(p + r * row_len, g + r * row_len, st, h, r, c0, len);
+    }
+}

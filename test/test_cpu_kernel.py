@@ -1,0 +1,132 @@
+"""The hand-written CPU kernel (``qstate/optim/_cpu_kernel.py``): the inductor kernel's results bit for bit."""
+
+from __future__ import annotations
+
+import functools
+
+import expecttest
+import pytest
+import torch
+
+import qstate
+from qstate.optim import _cpu_kernel, cpu_kernel_enabled
+from qstate.optim import functional as F
+from qstate.optim._kernels import KernelSpec, state_entry
+
+#: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D
+SHAPES = [(4, 512), (33, 71), (7, 513), (1000,), (1,), (3, 5, 7)]
+
+
+def _adamw_8bit(ps, gs, states, step):
+    F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            compile=True, grad_scale=torch.tensor(4.0))
+
+
+def _adam_4bit_amsgrad(ps, gs, states, step):
+    F.adam(ps, gs, states[0], states[1], [step] * len(ps), max_exp_avg_sqs=states[2], lr=1e-2, beta1=0.8,
+           beta2=0.99, eps=1e-6, weight_decay=0.01, amsgrad=True, maximize=True, compile=True)
+
+
+def _lion_8bit(ps, gs, states, step):
+    F.lion(ps, gs, states[0], [step] * len(ps), lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, compile=True)
+
+
+def _sgd_4bit_nesterov(ps, gs, states, step):
+    F.sgd(ps, gs, states[0], [step] * len(ps), lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True,
+          compile=True)
+
+
+#: name -> (update, param dtype, per state (format, signed, block size)); mixed block sizes, bf16 params
+CASES = {
+    "adamw_8bit": (_adamw_8bit, torch.float32, [("8bit", True, 256), ("8bit", False, 256)]),
+    "adam_4bit_amsgrad_bf16": (_adam_4bit_amsgrad, torch.bfloat16,
+                               [("4bit", True, 64), ("4bit", False, 128), ("4bit", False, 128)]),
+    "lion_8bit_block_100": (_lion_8bit, torch.float32, [("8bit", True, 100)]),
+    "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
+}
+
+
+def _run(case: str, c_kernel: bool, steps: int = 3):
+    update, dtype, kinds = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    states = [[qstate.zeros_like(p, fmt, signed=signed, block_size=bs, dtype=torch.float32) for p in ps]
+              for fmt, signed, bs in kinds]
+    with cpu_kernel_enabled(c_kernel):
+        for step in range(1, steps + 1):
+            # tiny and huge magnitudes in one block: codes across the whole map
+            gs = [(torch.randn(s, generator=gen) * 10 ** (4 * torch.rand(s, generator=gen) - 2)).to(dtype)
+                  for s in SHAPES]
+            update(ps, gs, states, step)
+    return ps, states
+
+
+@functools.lru_cache(maxsize=None)
+def _inductor(case: str):
+    return _run(case, c_kernel=False)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
+    ps, states = _run(case, c_kernel=True)
+    ref_ps, ref_states = _inductor(case)
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+    for group, ref_group in zip(states, ref_states):
+        for s, r in zip(group, ref_group):
+            assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
+
+
+def test_one_build_per_kind_not_per_shape():
+    for case in CASES:
+        _run(case, c_kernel=True, steps=1)
+    kinds = [k for k in _cpu_kernel.built_kinds() if k.startswith(("adam_", "lion_", "sgd_"))]
+    assert len(kinds) == len(set(kinds))
+    # the four cases are four kinds, whatever the shapes
+    assert sum(k.startswith("adam_") for k in kinds) >= 2 and sum(k.startswith("lion_") for k in kinds) >= 1
+
+
+def test_stochastic_states_and_bf16_stochastic_rounding_keep_the_inductor_kernel():
+    p = torch.randn(8, 256)
+    m = qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic")
+    spec = KernelSpec("sgd", (("maximize", False), ("momentum", True), ("nesterov", False)), torch.float32,
+                        False, (state_entry(m),), "cpu")
+    assert not _cpu_kernel.supports(spec, torch.device("cpu"), torch.float32)
+    q = qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32)
+    spec_rn = KernelSpec(spec.rule, spec.flags, torch.float32, False, (state_entry(q),), "cpu")
+    assert _cpu_kernel.supports(spec_rn, torch.device("cpu"), torch.float32)
+    spec_sr = KernelSpec(spec.rule, spec.flags, torch.bfloat16, True, (state_entry(q),), "cpu")
+    assert not _cpu_kernel.supports(spec_sr, torch.device("cpu"), torch.bfloat16)
+    with cpu_kernel_enabled(False):
+        assert not _cpu_kernel.supports(spec_rn, torch.device("cpu"), torch.float32)
+
+
+class TestErrors(expecttest.TestCase):
+    def test_a_failing_compiler_raises_and_changes_nothing(self):
+        p = torch.randn(4, 256)
+        buf = qstate.zeros_like(p, "8bit", signed=True, block_size=32, dtype=torch.float32)
+        before = [p.clone(), buf.codes.clone(), buf.scale.clone()]
+        mp = pytest.MonkeyPatch()
+        mp.setenv("CC", "false")
+        mp.setattr(_cpu_kernel, "_cache_dir", lambda: _cpu_kernel.Path(self.tmp))
+        _cpu_kernel._compiler.cache_clear()
+        try:
+            with pytest.raises(RuntimeError) as info:
+                F.sgd([p], [torch.randn(4, 256)], [buf], [1], lr=0.1, momentum=0.5, compile=True)
+        finally:
+            mp.undo()
+            _cpu_kernel._compiler.cache_clear()
+        self.assertExpectedInline(str(info.value).splitlines()[0], """\
+qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with false failed:""")
+        assert all(torch.equal(x, y) for x, y in zip([p, buf.codes, buf.scale], before))
+
+    def setUp(self):
+        import tempfile
+
+        super().setUp()
+        self._dir = tempfile.TemporaryDirectory()
+        self.tmp = self._dir.name
+
+    def tearDown(self):
+        self._dir.cleanup()
+        super().tearDown()
