@@ -143,3 +143,135 @@ def test_4bit_packs_two_codes_per_byte_low_nibble_first():
     packed = f.pack(codes)
     assert packed.tolist() == [[0x21, 0x43, 0x05]]
     assert torch.equal(f.unpack(packed, 5), codes)
+
+
+# ------------------------------------------------------------------ stochastic rounding
+SR_KINDS = [f for f in ("8bit", "4bit")]  # signed map formats: the ones that implement it
+
+
+def reference_lowbias32(u: int) -> int:
+    """lowbias32 in Python integers (the spec of qstate/formats/_rounding.py)."""
+    u ^= u >> 16
+    u = (u * 0x7FEB352D) & 0xFFFFFFFF
+    u ^= u >> 15
+    u = (u * 0x846CA68B) & 0xFFFFFFFF
+    return u ^ (u >> 16)
+
+
+def reference_stochastic_code(y: float, qmap: list[float]) -> int:
+    """The spec, one value at a time: float32 arithmetic in numpy, integers in Python."""
+    np = pytest.importorskip("numpy")
+    y32 = np.float32(y)
+    h = reference_lowbias32(int(np.array(y32).view(np.uint32)))
+    c = max([i for i, v in enumerate(qmap) if np.float32(v) <= y32], default=0)
+    c = min(c, len(qmap) - 2)
+    lo, hi = np.float32(qmap[c]), np.float32(qmap[c + 1])
+    if y32 >= hi:
+        return c + 1
+    if y32 <= lo:
+        return c
+    return c + int(np.float32(h >> 8) * (hi - lo) < (y32 - lo) * np.float32(2**24))
+
+
+def _spread(seed: int, n: int) -> torch.Tensor:
+    """Normalized values in [-1, 1] over many magnitudes, plus every map entry of both maps and -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) * 2 - 1) * 10 ** (-6 * torch.rand(n, generator=g))
+    entries = [get_format(f).make_qmap(True) for f in SR_KINDS]
+    return torch.cat([y, *entries, torch.tensor([-0.0, 0.0])])
+
+
+@settings(max_examples=20)
+@given(u=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_lowbias32_equals_the_python_reference(u):
+    from qstate.formats import lowbias32
+
+    y = torch.tensor(u, dtype=torch.int64).to(torch.int32).view(torch.float32)  # every bit pattern
+    assert lowbias32(y).tolist() == [reference_lowbias32(x) for x in u]
+
+
+@pytest.mark.parametrize("fmt", SR_KINDS)
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31))
+def test_stochastic_codes_equal_the_scalar_reference(fmt, seed):
+    f = get_format(fmt)
+    qmap = f.make_qmap(True)
+    y = _spread(seed, 300)
+    got = f.code_of(y, True, qmap, rounding="stochastic")
+    want = [reference_stochastic_code(v, qmap.tolist()) for v in y.tolist()]
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("fmt", SR_KINDS)
+def test_stochastic_rounding_keeps_map_values_zero_and_absmax_exact(fmt):
+    f = get_format(fmt)
+    qmap = f.make_qmap(True)
+    codes = f.code_of(torch.cat([qmap, torch.tensor([-0.0])]), True, qmap, rounding="stochastic")
+    assert codes.tolist() == list(range(qmap.numel())) + [f.zero_code(True)]
+    # every code between the two neighbours around a value, never further
+    y = _spread(0, 100_000)
+    sr = f.code_of(y, True, qmap, rounding="stochastic").long()
+    lo = torch.searchsorted(qmap, y, right=True).clamp(1, qmap.numel() - 1) - 1
+    assert bool(((sr == lo) | (sr == lo + 1)).all())
+    # blocks: the same scales as round-to-nearest, and the same codes where it is exact: zeros and
+    # each block's absmax element (+-1; the 8bit map has no -1, so there both round to its first entry)
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    x[1] = 0
+    x[2, :5] = 0
+    x[3, 7] = -50.0
+    sr = qstate.quantize(x, fmt, rounding="stochastic", block_size=64)
+    rn = qstate.quantize(x, fmt, block_size=64)
+    assert torch.equal(sr.scale, rn.scale)
+    sr_codes, rn_codes = f.unpack(sr.codes, 300), f.unpack(rn.codes, 300)
+    absmax = torch.zeros(6, 300, dtype=torch.bool)
+    for b in range(0, 300, 64):
+        blk = x[:, b:b + 64].abs()
+        absmax[:, b:b + 64] = (blk == blk.amax(1, keepdim=True)) & (blk > 0)
+    exact = absmax | (x == 0)
+    assert torch.equal(sr_codes[exact], rn_codes[exact])
+    assert bool((sr_codes[~exact] != rn_codes[~exact]).any())  # and it does round otherwise
+
+
+@pytest.mark.parametrize("fmt", SR_KINDS)
+@settings(max_examples=10)
+@given(bucket=st.integers(0, 254), frac=st.floats(0.02, 0.98))
+def test_stochastic_rounding_is_unbiased_in_a_bucket(fmt, bucket, frac):
+    # 200k distinct consecutive float32 values around lo + frac * (hi - lo): the mean of their decoded
+    # values equals the mean of the values (Bernoulli std of the mean: 0.0011 of the bucket width)
+    f = get_format(fmt)
+    qmap = f.make_qmap(True)
+    c = bucket % (qmap.numel() - 1)
+    lo, hi = float(qmap[c]), float(qmap[c + 1])
+    start = torch.tensor(lo + frac * (hi - lo), dtype=torch.float32).view(torch.int32)
+    n = 200_000
+    bits = start - n // 2 + torch.arange(n, dtype=torch.int32)
+    y = bits.view(torch.float32)
+    y = y[(y > lo) & (y < hi)]
+    decoded = qmap[f.code_of(y, True, qmap, rounding="stochastic").long()].double()
+    assert abs(float(decoded.mean() - y.double().mean())) < 0.007 * (hi - lo)
+    assert bool(((decoded == lo) | (decoded == hi)).all())
+
+
+@pytest.mark.parametrize("fmt", SR_KINDS)
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**31), rows=st.integers(2, 40), cols=st.integers(1, 400),
+       block_size=st.sampled_from([None, 16, 64]), data=st.data())
+def test_stochastic_codes_of_row_slices_equal_the_whole(fmt, seed, rows, cols, block_size, data):
+    # decisions depend on the normalized value only: any rows quantized alone get the codes they get
+    # inside the whole tensor (what every shard of a DTensor / FSDP2 state relies on)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    a = data.draw(st.integers(0, rows - 1))
+    b = data.draw(st.integers(a + 1, rows))
+    whole = qstate.quantize(x, fmt, rounding="stochastic", block_size=block_size)
+    part = qstate.quantize(x[a:b], fmt, rounding="stochastic", block_size=block_size)
+    assert torch.equal(part.codes, whole.codes[a:b]) and torch.equal(part.scale, whole.scale[a:b])
+    assert torch.equal(whole[a:b].dequantize(), part.dequantize())
+
+
+@pytest.mark.parametrize("fmt,signed", [("4bit", False), ("8bit", False), ("fp8", True), ("fp8", False)])
+def test_stochastic_rounding_is_rejected_where_not_implemented(fmt, signed):
+    with pytest.raises(ValueError, match="is not implemented for"):
+        qstate.quantize(torch.rand(4, 8), fmt, signed=signed, rounding="stochastic")
+    with pytest.raises(ValueError, match="is not implemented for"):
+        qstate.zeros_like(torch.rand(4, 8), fmt, signed=signed, rounding="stochastic")
+    assert not get_format(fmt).supports_rounding("stochastic", signed)

@@ -7,6 +7,7 @@ CONTRIBUTING.md, "Adding a format") and :func:`unregister_format` removes it.
 from __future__ import annotations
 
 from ._base import BlockFormat, nearest_code
+from ._rounding import ROUNDINGS, lowbias32, stochastic_code
 from .fp8 import FP8, Float8Format
 from .map_formats import EIGHT_BIT, FOUR_BIT, MapFormat, dynamic_map, normal_map
 
@@ -21,6 +22,9 @@ __all__ = [
     "dynamic_map",
     "normal_map",
     "nearest_code",
+    "ROUNDINGS",
+    "lowbias32",
+    "stochastic_code",
 ]
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (EIGHT_BIT, FOUR_BIT, FP8)}

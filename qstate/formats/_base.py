@@ -19,6 +19,13 @@ value below the smallest positive code rounds *up* to that code, so a second
 moment ``v > 0`` never comes back as 0 (the cause of exploding Adam updates
 with other 8-bit optimizers). Unsigned formats expect ``x >= 0``; negative
 inputs encode as 0.
+
+Rounding: every format rounds to the nearest code (``rounding="nearest"``);
+a format may also implement ``rounding="stochastic"`` (unbiased, see
+:mod:`qstate.formats._rounding`) for the signedness it lists in
+:meth:`BlockFormat.supports_rounding`. A value on a code (0, a block's
+absmax at ``+-max_code`` where the map has it) encodes exactly in both modes,
+so scales and zero blocks do not depend on the mode.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ._rounding import ROUNDINGS
 
 __all__ = ["BlockFormat"]
 
@@ -57,9 +66,13 @@ class BlockFormat:
         """The code (``uint8`` value of one element) that decodes to exactly 0."""
         return 0
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
-        """Codes (``uint8``, one per element) of normalized values ``y``."""
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
+        """Codes (``uint8``, one per element) of normalized values ``y``, rounded per ``rounding``."""
         raise NotImplementedError
+
+    def supports_rounding(self, rounding: str, signed: bool) -> bool:
+        """Whether :meth:`code_of` implements ``rounding`` for ``signed`` states (always ``"nearest"``)."""
+        return rounding == "nearest"
 
     def value_of(self, codes: Tensor, qmap: Optional[Tensor]) -> Tensor:
         """Normalized ``float32`` values of unpacked ``uint8`` codes."""
@@ -78,12 +91,20 @@ class BlockFormat:
                 f"format '{self.name}': block_size must be even (two codes per byte), got {block_size}"
             )
 
+    def check_rounding(self, rounding: str, signed: bool) -> None:
+        """Raise ``ValueError`` unless ``rounding`` is a mode this format implements for ``signed``."""
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"format '{self.name}': rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
+        if not self.supports_rounding(rounding, signed):
+            kind = "signed" if signed else "unsigned"
+            raise ValueError(f"format '{self.name}': rounding={rounding!r} is not implemented for {kind} states")
+
     def packed_width(self, row_len: int) -> int:
         """Bytes of ``codes`` per row of ``row_len`` elements."""
         return (row_len * self.bits + 7) // 8
 
     def encode(
-        self, x: Tensor, block_size: int, signed: bool, qmap: Optional[Tensor]
+        self, x: Tensor, block_size: int, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest"
     ) -> tuple[Tensor, Tensor]:
         """Quantize rows ``x`` (``[R, L]``, any float dtype) -> ``(codes, scale)``."""
         rows, row_len = x.shape
@@ -97,7 +118,7 @@ class BlockFormat:
         scale = absmax / self.max_code if self.max_code != 1.0 else absmax
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         y = blocks / safe.unsqueeze(-1)
-        codes = self.code_of(y, signed, qmap).view(rows, padded)[:, :row_len]
+        codes = self.code_of(y, signed, qmap, rounding=rounding).view(rows, padded)[:, :row_len]
         return self.pack(codes), scale
 
     def decode(

@@ -27,7 +27,8 @@ class Float8Format(BlockFormat):
     default_block_size = 256
     max_code = float(torch.finfo(_E4M3).max)
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
+        assert rounding == "nearest", rounding  # supports_rounding: nearest only
         codes = y.to(_E4M3).view(torch.uint8)
         if not signed:
             codes = torch.where((codes == 0) & (y > 0), _SMALLEST_SUBNORMAL_BITS, codes)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ._base import BlockFormat, nearest_code
+from ._rounding import stochastic_code
 
 __all__ = ["MapFormat", "dynamic_map", "normal_map", "EIGHT_BIT", "FOUR_BIT"]
 
@@ -93,7 +94,13 @@ def normal_map(offset: float = NF4_OFFSET) -> Tensor:
 
 
 class MapFormat(BlockFormat):
-    """Blockwise absmax scaling + nearest entry of a sorted code map."""
+    """Blockwise absmax scaling + an entry of a sorted code map.
+
+    ``rounding="nearest"`` takes the nearest entry (ties to the lower code);
+    ``rounding="stochastic"`` (signed maps only: an unsigned state must never
+    round a positive value down to its zero code) one of the two entries
+    around the value, unbiased (:func:`~qstate.formats._rounding.stochastic_code`).
+    """
 
     max_code = 1.0
 
@@ -103,6 +110,7 @@ class MapFormat(BlockFormat):
         self.default_block_size = default_block_size
         for m in (signed_map, unsigned_map):
             assert m.numel() == 2**bits and bool((m.diff() >= 0).all()) and bool((m == 0).any())
+        assert bool((signed_map.diff() > 0).all()), "stochastic rounding needs a strictly increasing signed map"
         self._maps = {True: signed_map, False: unsigned_map}
         # python ints, so that tracing never touches the maps
         self._zero_codes = {s: int((m == 0).nonzero()[0, 0]) for s, m in self._maps.items()}
@@ -113,10 +121,16 @@ class MapFormat(BlockFormat):
     def make_qmap(self, signed: bool, device: torch.device | str | None = None) -> Optional[Tensor]:
         return self._maps[bool(signed)].to(device)
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor]) -> Tensor:
+    def supports_rounding(self, rounding: str, signed: bool) -> bool:
+        return rounding == "nearest" or (rounding == "stochastic" and bool(signed))
+
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
         assert qmap is not None
         idx = nearest_code(y, qmap)
-        if not signed:
+        if rounding == "stochastic":
+            assert signed, "stochastic rounding of unsigned map states is not implemented"
+            idx = stochastic_code(y, idx, qmap)
+        elif not signed:
             # positive values never decode as 0: bump the zero code to the next (smallest positive) one
             zero = self.zero_code(False)
             idx = torch.where((idx == zero) & (y > 0), idx + 1, idx)
