@@ -22,10 +22,11 @@ def row_layout(shape: Sequence[int]) -> tuple[int, int]:
     return 1, math.prod(shape)
 
 
-def _resolve(fmt: str, block_size: Optional[int]) -> tuple[BlockFormat, int]:
+def _resolve(fmt: str, block_size: Optional[int], signed: bool, rounding: str) -> tuple[BlockFormat, int]:
     f = get_format(fmt)
     bs = f.default_block_size if block_size is None else block_size
     f.check_block_size(bs)
+    f.check_rounding(rounding, signed)
     return f, bs
 
 
@@ -37,33 +38,38 @@ def _check_appearance(dtype: torch.dtype, what: str) -> None:
 
 
 def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size: int,
-                 signed: bool, qmap: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                 signed: bool, qmap: Optional[Tensor], rounding: str) -> tuple[Tensor, Tensor]:
     flat = x.reshape(-1)
     pad = rows * row_len - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    return f.encode(flat.view(rows, row_len), block_size, signed, qmap)
+    return f.encode(flat.view(rows, row_len), block_size, signed, qmap, rounding)
 
 
-def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None) -> Tensor:
+def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None,
+             rounding: str = "nearest") -> Tensor:
     """Quantize ``x`` into a :class:`QuantizedState` of format ``fmt``.
 
     The appearance dtype is ``x.dtype`` (float32 or bfloat16). ``x`` may be a
     DTensor: the result is then a DTensor over quantized local shards.
+    ``rounding`` (``"nearest"`` or ``"stochastic"``, which the map formats
+    implement for signed states) is the state's rounding mode, used for ``x``
+    and for every later write; a mode the format does not implement raises
+    ``ValueError``.
     """
     from .distributed import is_dtensor, quantize_dtensor
 
     if is_dtensor(x):
-        return quantize_dtensor(x, fmt, signed=signed, block_size=block_size)
+        return quantize_dtensor(x, fmt, signed=signed, block_size=block_size, rounding=rounding)
     if isinstance(x, QuantizedState):
         raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
     _check_appearance(x.dtype, "quantize")
-    f, bs = _resolve(fmt, block_size)
+    f, bs = _resolve(fmt, block_size, signed, rounding)
     rows, row_len = row_layout(x.shape)
     qmap = f.make_qmap(signed, x.device)
-    codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap)
+    codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding)
     return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
-                          row_len=row_len, shape=x.shape, dtype=x.dtype)
+                          row_len=row_len, shape=x.shape, dtype=x.dtype, rounding=rounding)
 
 
 def zero_parts(f: BlockFormat, rows: int, row_len: int, block_size: int, signed: bool,
@@ -77,24 +83,26 @@ def zero_parts(f: BlockFormat, rows: int, row_len: int, block_size: int, signed:
 
 
 def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None,
-               dtype: Optional[torch.dtype] = None) -> Tensor:
+               dtype: Optional[torch.dtype] = None, rounding: str = "nearest") -> Tensor:
     """A zero :class:`QuantizedState` with ``p``'s shape, device and (appearance) dtype.
 
     ``p`` may be a DTensor: the result is a DTensor with the same mesh and placements.
+    ``rounding``: the state's rounding mode, as in :func:`quantize`.
     """
     from .distributed import is_dtensor, zeros_like_dtensor
 
     if is_dtensor(p):
-        return zeros_like_dtensor(p, fmt, signed=signed, block_size=block_size, dtype=dtype)
+        return zeros_like_dtensor(p, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding)
     dtype = dtype or p.dtype
     _check_appearance(dtype, "zeros_like")
-    f, bs = _resolve(fmt, block_size)
+    f, bs = _resolve(fmt, block_size, signed, rounding)
     rows, row_len = row_layout(p.shape)
     codes, scale = zero_parts(f, rows, row_len, bs, signed, p.device)
     return QuantizedState(codes, scale, f.make_qmap(signed, p.device), format=f.name, signed=signed,
-                          block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype)
+                          block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype, rounding=rounding)
 
 
 def encode_like(q: QuantizedState, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout -> ``(codes, scale)``."""
-    return _encode_rows(q.fmt, x.to(q.codes.device), q.rows, q.row_len, q.block_size, q.signed, q.qmap)
+    """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout and rounding -> ``(codes, scale)``."""
+    return _encode_rows(q.fmt, x.to(q.codes.device), q.rows, q.row_len, q.block_size, q.signed, q.qmap,
+                        q.rounding)

@@ -18,9 +18,15 @@ The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
   need, even and uneven). A 1-D tensor starts as one row; gathering 1-D shards
   gives one row per shard (exact), and a 1-D slice must start on a block (row
   ``R == 1``) or row (``R > 1``) boundary.
-* ``block_size``, ``format`` and ``signed`` are fixed at construction and never
-  recomputed; the appearance ``dtype`` (``float32`` or ``bfloat16``) is kept by
-  every op that returns a ``QuantizedState``.
+* ``block_size``, ``format``, ``signed`` and ``rounding`` are fixed at
+  construction and never recomputed; they and the appearance ``dtype``
+  (``float32`` or ``bfloat16``) are kept by every op that returns a
+  ``QuantizedState`` (views, slices, cat, pad, copies, moves, collectives).
+* ``rounding`` (``"nearest"`` or ``"stochastic"``, see
+  :mod:`qstate.formats._rounding`) governs every write of new values into the
+  state (``copy_``, in-place math, the optimizers' kernels); stochastic
+  decisions are a pure function of each normalized value, so a sharded state
+  gets the codes of the unsharded one.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .formats import BlockFormat, get_format
+from .formats import ROUNDINGS, BlockFormat, get_format
 
-__all__ = ["QuantizedState", "APPEARANCE_DTYPES"]
+__all__ = ["QuantizedState", "APPEARANCE_DTYPES", "quantized_kind"]
 
 APPEARANCE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,6 +54,7 @@ class QuantizedState(Tensor):
     signed: bool
     block_size: int
     row_len: int
+    rounding: str
 
     @staticmethod
     def __new__(
@@ -63,6 +70,7 @@ class QuantizedState(Tensor):
         shape: Sequence[int],
         dtype: torch.dtype,
         requires_grad: bool = False,
+        rounding: str = "nearest",
     ) -> "QuantizedState":
         return Tensor._make_wrapper_subclass(
             cls, tuple(shape), dtype=dtype, device=codes.device, requires_grad=requires_grad
@@ -81,7 +89,10 @@ class QuantizedState(Tensor):
         shape: Sequence[int],
         dtype: torch.dtype,
         requires_grad: bool = False,
+        rounding: str = "nearest",
     ) -> None:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"QuantizedState: rounding must be one of {list(ROUNDINGS)}, got {rounding!r}")
         self.codes = codes
         self.scale = scale
         self.qmap = qmap
@@ -89,6 +100,7 @@ class QuantizedState(Tensor):
         self.signed = bool(signed)
         self.block_size = int(block_size)
         self.row_len = int(row_len)
+        self.rounding = rounding
         #: diagnostic only: the parameter/state this tensor holds, quoted in errors
         self.state_name: Optional[str] = None
 
@@ -103,22 +115,23 @@ class QuantizedState(Tensor):
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         names = ["codes", "scale"] if self.qmap is None else ["codes", "scale", "qmap"]
-        return names, (self.format, self.signed, self.block_size, self.row_len, self.dtype)
+        return names, (self.format, self.signed, self.block_size, self.row_len, self.dtype, self.rounding)
 
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride) -> "QuantizedState":
-        fmt, signed, block_size, row_len, dtype = ctx
+        fmt, signed, block_size, row_len, dtype, rounding = ctx
         return cls(
             inner["codes"], inner["scale"], inner.get("qmap"),
             format=fmt, signed=signed, block_size=block_size, row_len=row_len,
-            shape=outer_size, dtype=dtype,
+            shape=outer_size, dtype=dtype, rounding=rounding,
         )
 
     def _stable_hash_for_caching(self) -> str:
         # AOT autograd cache key: the structure, not the values
         parts = [self.codes, self.scale] + ([] if self.qmap is None else [self.qmap])
         inner = ";".join(f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in parts)
-        return f"QuantizedState({self.format},{self.signed},{self.block_size},{self.row_len},{self.dtype},{inner})"
+        return (f"QuantizedState({self.format},{self.signed},{self.block_size},{self.row_len},{self.dtype},"
+                f"{self.rounding},{inner})")
 
     def with_parts(
         self,
@@ -129,24 +142,28 @@ class QuantizedState(Tensor):
         row_len: Optional[int] = None,
         qmap: Optional[Tensor] = None,
     ) -> "QuantizedState":
-        """A state like ``self`` (format, signedness, block size, dtype, name) over new parts."""
+        """A state like ``self`` (format, signedness, block size, rounding, dtype, name) over new parts."""
         out = QuantizedState(
             codes, scale, self.qmap if qmap is None else qmap,
             format=self.format, signed=self.signed, block_size=self.block_size,
             row_len=self.row_len if row_len is None else row_len,
-            shape=shape, dtype=self.dtype,
+            shape=shape, dtype=self.dtype, rounding=self.rounding,
         )
         out.state_name = self.state_name
         return out
 
+    def kind(self) -> str:
+        """``"<format> <signed|unsigned> block_size=<n>"``, plus ``" rounding=stochastic"`` if so.
+
+        What two states must share to be copied, concatenated or loaded into each other
+        (with the appearance dtype). Round-to-nearest, the default, is not spelled out.
+        """
+        return quantized_kind(self.format, self.signed, self.block_size, self.rounding)
+
     def describe(self) -> str:
-        """``format/signedness/block size/dtype/shape`` for error messages."""
-        kind = "signed" if self.signed else "unsigned"
+        """:meth:`kind`, dtype, shape and device (and the state's name) for error messages."""
         named = f"'{self.state_name}': " if self.state_name else ""
-        return (
-            f"{named}{self.format} {kind} block_size={self.block_size} dtype={self.dtype} "
-            f"shape={tuple(self.shape)} device={self.device}"
-        )
+        return f"{named}{self.kind()} dtype={self.dtype} shape={tuple(self.shape)} device={self.device}"
 
     # -- public API -------------------------------------------------------
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -165,8 +182,9 @@ class QuantizedState(Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         kind = "signed" if self.signed else "unsigned"
+        rounding = "" if self.rounding == "nearest" else f", rounding='{self.rounding}'"
         return (
-            f"QuantizedState(format='{self.format}', {kind}, block_size={self.block_size}, "
+            f"QuantizedState(format='{self.format}', {kind}, block_size={self.block_size}{rounding}, "
             f"shape={tuple(self.shape)}, dtype={self.dtype}, device='{self.device}')"
         )
 
@@ -175,7 +193,7 @@ class QuantizedState(Tensor):
         return (
             _rebuild_quantized_state,
             (self.codes, self.scale, self.qmap, self.format, self.signed, self.block_size,
-             self.row_len, tuple(self.shape), self.dtype),
+             self.row_len, tuple(self.shape), self.dtype, self.rounding),
         )
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -187,12 +205,24 @@ class QuantizedState(Tensor):
         return dispatch(func, types, args, kwargs or {})
 
 
+def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:
+    """:meth:`QuantizedState.kind` of a state with these properties (e.g. an expected one)."""
+    kind = "signed" if signed else "unsigned"
+    suffix = "" if rounding == "nearest" else f" rounding={rounding}"
+    return f"{format} {kind} block_size={block_size}{suffix}"
+
+
 def _rebuild_quantized_state(
     codes: Tensor, scale: Tensor, qmap: Optional[Tensor], format: str, signed: bool,
-    block_size: int, row_len: int, shape: tuple, dtype: torch.dtype,
+    block_size: int, row_len: int, shape: tuple, dtype: torch.dtype, rounding: str = "nearest",
 ) -> QuantizedState:
-    """Unpickling entry point (registered as a ``torch.load(weights_only=True)`` safe global)."""
+    """Unpickling entry point (registered as a ``torch.load(weights_only=True)`` safe global).
+
+    ``rounding`` is last and defaults to ``"nearest"``: states saved before it existed load as before.
+    """
+    if rounding != "nearest":  # a format implements it for some signedness only
+        get_format(format).check_rounding(rounding, signed)
     return QuantizedState(
         codes, scale, qmap, format=format, signed=signed, block_size=block_size,
-        row_len=row_len, shape=shape, dtype=dtype,
+        row_len=row_len, shape=shape, dtype=dtype, rounding=rounding,
     )

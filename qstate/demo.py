@@ -302,7 +302,7 @@ def full_values(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layout(q: qstate.QuantizedState) -> tuple:
-    return q.format, q.signed, q.block_size, q.row_len, q.dtype, tuple(q.shape)
+    return q.format, q.signed, q.block_size, q.rounding, q.row_len, q.dtype, tuple(q.shape)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -62,14 +62,15 @@ def is_quantized_state(t: Tensor) -> bool:
 def state_kind(t: Tensor) -> str:
     """``"<format> <signed|unsigned> block_size=<n>"`` or ``"plain <dtype>"`` of a state, DTensor or not.
 
-    The kind of a DTensor state is its local tensor's (the same on every rank, see
-    :func:`state_like`).
+    A stochastically rounded state adds ``" rounding=stochastic"``
+    (:meth:`QuantizedState.kind`). The kind of a DTensor state is its local
+    tensor's (the same on every rank, see :func:`state_like`).
     """
     from ._state import QuantizedState
 
     local = local_of(t)
     if isinstance(local, QuantizedState):
-        return f"{local.format} {'signed' if local.signed else 'unsigned'} block_size={local.block_size}"
+        return local.kind()
     return f"plain {local.dtype}"
 
 
@@ -143,16 +144,18 @@ def state_like(
     signed: bool = True,
     block_size: Optional[int] = None,
     min_quantize_numel: int = DEFAULT_MIN_QUANTIZE_NUMEL,
+    rounding: str = "nearest",
 ) -> Tensor:
     """A zero optimizer state for ``p``: quantized per :func:`wants_quantized`, else fp32 plain.
 
     ``p`` may be a plain tensor or a DTensor; the state has ``p``'s device
     (and mesh/placements). The quantized state's appearance dtype is
-    ``p.dtype`` when that is float32/bfloat16, else float32.
+    ``p.dtype`` when that is float32/bfloat16, else float32; ``rounding`` is
+    the quantized state's rounding mode (see :func:`qstate.quantize`).
     """
     from ._api import zeros_like
 
     if not wants_quantized(p, min_quantize_numel):
         return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
     dtype = p.dtype if p.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    return zeros_like(p, fmt, signed=signed, block_size=block_size, dtype=dtype)
+    return zeros_like(p, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding)

@@ -47,6 +47,12 @@ def placements_for(draw, ndim_mesh: int):
     return [draw(st.sampled_from([Shard(0), Replicate()])) for _ in range(ndim_mesh)]
 
 
+def _rounding(draw, fmt: str, signed: bool) -> str:
+    """A rounding mode ``fmt`` implements for ``signed`` states (stochastic where it can be)."""
+    ok = [r for r in qstate.formats.ROUNDINGS if qstate.formats.get_format(fmt).supports_rounding(r, signed)]
+    return draw(st.sampled_from(ok), label="rounding")
+
+
 @settings(max_examples=40)
 @given(rows=st.integers(1, 23), cols=st.integers(1, 300), trailing=st.sampled_from([(), (3,)]),
        fmt=st.sampled_from(sorted(qstate.formats.FORMATS)), signed=st.booleans(),
@@ -55,22 +61,26 @@ def test_full_tensor_and_redistribute_equal_unsharded(rows, cols, trailing, fmt,
     shape = (rows, cols, *trailing)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(rows * 1000 + cols)).to(dtype)
     x = x if signed else x.abs()
-    ref = qstate.quantize(x, fmt, signed=signed)
+    rounding = _rounding(data.draw, fmt, signed)
+    ref = qstate.quantize(x, fmt, signed=signed, rounding=rounding)
     with local_tensor.LocalTensorMode(WORLD) as mode:
         mesh = init_device_mesh("cpu", mesh_shape)
         placements = data.draw(placements_for(len(mesh_shape)))
         d = distribute_tensor(x, mesh, placements)
-        qd = qstate.quantize(d, fmt, signed=signed)
+        # stochastic rounding too: each shard's codes are the unsharded tensor's rows
+        qd = qstate.quantize(d, fmt, signed=signed, rounding=rounding)
         assert isinstance(qd, DTensor) and qd.dtype == dtype and tuple(qd.shape) == shape
         full = qd.full_tensor()
         back = qd.redistribute(mesh, [Replicate()] * mesh.ndim).redistribute(mesh, placements)
-        z = qstate.zeros_like(d, fmt, signed=signed)
+        z = qstate.zeros_like(d, fmt, signed=signed, rounding=rounding)
         z.copy_(qd)
         with mode.disable():
             for f in _ranks(full):
                 assert isinstance(f, qstate.QuantizedState) and f.dtype == dtype and f.block_size == ref.block_size
+                assert f.rounding == rounding
                 assert torch.equal(f.codes, ref.codes) and torch.equal(f.scale, ref.scale)
             for a, b, c in zip(_ranks(back.to_local()), _ranks(qd.to_local()), _ranks(z.to_local())):
+                assert a.rounding == b.rounding == c.rounding == rounding
                 assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
                 assert torch.equal(c.codes, b.codes) and torch.equal(c.scale, b.scale)
 
@@ -81,13 +91,14 @@ def test_full_tensor_and_redistribute_equal_unsharded(rows, cols, trailing, fmt,
 def test_optimizer_ops_on_dtensor_states_match_unsharded(rows, cols, fmt, mesh_shape, data):
     g = torch.Generator().manual_seed(rows + 7 * cols)
     m0, grad = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
-    ref = qstate.quantize(m0, fmt)
+    rounding = _rounding(data.draw, fmt, True)
+    ref = qstate.quantize(m0, fmt, rounding=rounding)
     ref_new = ref.lerp(grad, 0.1)
     ref.copy_(ref_new)
     with local_tensor.LocalTensorMode(WORLD) as mode:
         mesh = init_device_mesh("cpu", mesh_shape)
         placements = data.draw(placements_for(len(mesh_shape)))
-        qd = qstate.quantize(distribute_tensor(m0, mesh, placements), fmt)
+        qd = qstate.quantize(distribute_tensor(m0, mesh, placements), fmt, rounding=rounding)
         gd = distribute_tensor(grad, mesh, placements)
         with CommDebugMode() as comm:
             new = qd.lerp(gd, 0.1)  # plain DTensor result
@@ -98,6 +109,7 @@ def test_optimizer_ops_on_dtensor_states_match_unsharded(rows, cols, fmt, mesh_s
         with mode.disable():
             for f, n in zip(_ranks(full), _ranks(new_full)):
                 assert torch.equal(n, ref_new)
+                assert f.rounding == rounding and torch.equal(f.codes, ref.codes)
                 assert torch.equal(f.dequantize(), ref.dequantize())
 
 

@@ -38,6 +38,8 @@ QuantizedState(format='fp8', signed, block_size=256, shape=(3, 5), dtype=torch.f
 QuantizedState(format='fp8', signed, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')
 QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch.float32, device='cpu')
 QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch.bfloat16, device='cpu')""")
+        self.assertExpectedInline(repr(qstate.quantize(torch.randn(3, 5), "4bit", rounding="stochastic")), """\
+QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', shape=(3, 5), dtype=torch.float32, device='cpu')""")
 
     def _unchanged_after(self, q, fn) -> str:
         codes, scale = q.codes.clone(), q.scale.clone()
@@ -58,6 +60,10 @@ QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", signed=False))),
             """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit unsigned block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+        )
+        self.assertExpectedInline(
+            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", rounding="stochastic"))),
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=256 rounding=stochastic dtype=torch.float32 shape=(4, 300) device=cpu]""",
         )
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(torch.randn(3, 300))),
@@ -103,6 +109,12 @@ QuantizedState(format='fp8', unsigned, block_size=256, shape=(3, 5), dtype=torch
                                   """ValueError: format '4bit': block_size must be even (two codes per byte), got 33""")
         self.assertExpectedInline(_err(lambda: qstate.quantize(x.half(), "8bit")),
                                   """TypeError: quantize: a quantized state appears as torch.float32 or torch.bfloat16, got torch.float16""")
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x, "8bit", rounding="up")),
+                                  """ValueError: format '8bit': rounding must be one of ['nearest', 'stochastic'], got 'up'""")
+        self.assertExpectedInline(_err(lambda: qstate.zeros_like(x, "4bit", signed=False, rounding="stochastic")),
+                                  """ValueError: format '4bit': rounding='stochastic' is not implemented for unsigned states""")
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x, "fp8", rounding="stochastic")),
+                                  """ValueError: format 'fp8': rounding='stochastic' is not implemented for signed states""")
 
 
 def test_block_size_is_fixed_at_construction():
@@ -111,6 +123,43 @@ def test_block_size_is_fixed_at_construction():
         assert out.block_size == 64 and out.scale.shape[-1] == -(-out.row_len // 64)
     q.copy_(torch.randn(5, 1000) * 1e4)
     assert q.block_size == 64
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_rounding_is_fixed_at_construction_and_kept_by_every_op(fmt):
+    q = qstate.quantize(torch.randn(6, 300), fmt, rounding="stochastic", block_size=64)
+    flat = qstate.quantize(torch.randn(1000), fmt, rounding="stochastic", block_size=64)
+    names, ctx = q.__tensor_flatten__()
+    unflat = type(q).__tensor_unflatten__({n: getattr(q, n) for n in names}, ctx, q.shape, q.stride())
+    outs = [q[1:3], q.view(-1), q.reshape(6, 300), q.clone(), q.detach(), torch.ops.aten.alias(q), q.to("cpu"),
+            torch.cat([q, q]), torch.nn.functional.pad(q, [0, 0, 0, 3]), torch.zeros_like(q), torch.empty_like(q),
+            q.new_zeros((2, 300)), *q.split(4), *q.chunk(3), q.narrow(0, 1, 2), unflat,
+            flat[64:], torch.cat([flat[:128], flat[128:]]), torch.nn.functional.pad(flat, [0, 5])]
+    for out in outs:
+        assert isinstance(out, qstate.QuantizedState) and out.rounding == "stochastic", out
+    assert qstate.quantize(torch.randn(3, 4), fmt).rounding == "nearest"  # the default
+    assert "stochastic" in q._stable_hash_for_caching()
+    # writes round stochastically: copy_ and in-place math give the codes of quantize(..., rounding=)
+    y = torch.randn(6, 300)
+    q.copy_(y)
+    want = qstate.quantize(y, fmt, rounding="stochastic", block_size=64)
+    assert torch.equal(q.codes, want.codes) and torch.equal(q.scale, want.scale)
+    assert not torch.equal(q.codes, qstate.quantize(y, fmt, block_size=64).codes)
+    ref = q.dequantize().lerp(y, 0.1)
+    q.lerp_(y, 0.1)
+    assert torch.equal(q.codes, qstate.quantize(ref, fmt, rounding="stochastic", block_size=64).codes)
+    # a state of another rounding is another kind: no copy, no cat
+    with pytest.raises(ValueError, match="rounding=stochastic"):
+        torch.cat([q, qstate.quantize(y, fmt, block_size=64)])
+
+
+def test_stochastic_state_write_under_compile_matches_eager():
+    x = torch.randn(33, 70)
+    qe, qc = (qstate.quantize(torch.randn(33, 70), "4bit", rounding="stochastic") for _ in range(2))
+    qe.copy_(x)
+    torch.compile(lambda q, v: q.copy_(v), fullgraph=True)(qc, x)
+    assert qc.rounding == "stochastic"
+    assert torch.equal(qe.codes, qc.codes) and torch.equal(qe.scale, qc.scale)
 
 
 def test_views_alias_and_write_through():
@@ -143,7 +192,8 @@ def test_save_load_weights_only_round_trip(fmt, dtype):
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)["exp_avg"]
     assert isinstance(loaded, qstate.QuantizedState)
-    assert (loaded.format, loaded.signed, loaded.block_size, loaded.dtype) == (q.format, q.signed, q.block_size, dtype)
+    assert (loaded.format, loaded.signed, loaded.block_size, loaded.rounding, loaded.dtype) == \
+        (q.format, q.signed, q.block_size, q.rounding, dtype)
     assert torch.equal(loaded.dequantize(), q.dequantize())
     buf.seek(0)
     on_meta = torch.load(buf, weights_only=True, map_location="meta")["exp_avg"]
@@ -152,6 +202,21 @@ def test_save_load_weights_only_round_trip(fmt, dtype):
         buf.seek(0)
         on_gpu = torch.load(buf, weights_only=True, map_location="cuda")["exp_avg"]
         assert on_gpu.device.type == "cuda" and torch.equal(on_gpu.dequantize().cpu(), q.dequantize())
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_save_load_keeps_stochastic_rounding(fmt):
+    q = qstate.quantize(torch.randn(7, 33), fmt, rounding="stochastic")
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded.rounding == "stochastic" and torch.equal(loaded.codes, q.codes)
+    # a state pickled before rounding existed (9 rebuild arguments) loads as round-to-nearest
+    rebuild, args = q.__reduce_ex__(2)
+    assert rebuild(*args[:9]).rounding == "nearest" and rebuild(*args).rounding == "stochastic"
+    with pytest.raises(ValueError, match="not implemented for unsigned states"):
+        rebuild(*args[:4], False, *args[5:])
 
 
 def _adam_like(m, v, g, beta1: float, beta2: float):

@@ -18,8 +18,8 @@ def dequantize_args(args: Any) -> Any:
 
 
 def check_same_kind(what: str, a: QuantizedState, b: QuantizedState) -> None:
-    """Raise unless ``a`` and ``b`` share format, signedness, block size and dtype."""
-    if (a.format, a.signed, a.block_size, a.dtype) != (b.format, b.signed, b.block_size, b.dtype):
+    """Raise unless ``a`` and ``b`` share format, signedness, block size, rounding and dtype."""
+    if (a.kind(), a.dtype) != (b.kind(), b.dtype):
         raise ValueError(f"{what}: expected a state of kind [{a.describe()}], got [{b.describe()}]")
 
 
