@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qstate
 from qstate.formats import FORMATS
@@ -18,18 +20,24 @@ def _sgd_first_step(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, compile
     F.sgd([p], [g], [buf], [1], lr=0.1, momentum=0.9, compile=compile)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+#: (format, rounding) of signed states: every format rounding to nearest, the map formats stochastically
+SIGNED_KINDS = [(f, "nearest") for f in sorted(FORMATS)] + [(f, "stochastic") for f in sorted(FORMATS)
+                                                          if FORMATS[f].supports_rounding("stochastic", True)]
+
+
+@pytest.mark.parametrize("fmt,rounding", SIGNED_KINDS, ids=[f"{f}-{r}" for f, r in SIGNED_KINDS])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_compiled_state_is_bit_identical_to_quantize(fmt, shape):
+def test_compiled_state_is_bit_identical_to_quantize(fmt, rounding, shape):
     # SGD's first step stores the gradient exactly (0 * buf + 1 * g): the compiled kernel's codes,
-    # scales and padding must equal qstate.quantize of the gradient bit for bit
+    # scales and padding must equal qstate.quantize of the gradient bit for bit (stochastic rounding:
+    # the same normalized values, so the same decisions, in block space and ragged rows alike)
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(shape, generator=gen)
     g = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-6, 3, shape, generator=gen)
-    buf = qstate.zeros_like(p, fmt, signed=True, dtype=torch.float32)
+    buf = qstate.zeros_like(p, fmt, signed=True, dtype=torch.float32, rounding=rounding)
     p_ref = p.clone()
     _sgd_first_step(p, g, buf, compile=True)
-    want = qstate.quantize(g, fmt, signed=True)
+    want = qstate.quantize(g, fmt, signed=True, rounding=rounding)
     assert torch.equal(buf.codes, want.codes)
     assert torch.equal(buf.scale, want.scale)
     torch.testing.assert_close(p, p_ref - 0.1 * g, rtol=0, atol=0)
@@ -91,3 +99,39 @@ def test_packed_table_encode_is_exact_at_every_threshold(fmt, signed):
     y = torch.cat([spread, -spread, *near]).clamp(-1.0, 1.0)
     want = f.code_of(y, signed, f.make_qmap(signed))
     assert torch.equal(codec.encode(y, codec.tables), want)
+
+
+@pytest.mark.parametrize("fmt", sorted(n for n, f in FORMATS.items() if f.supports_rounding("stochastic", True)))
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 5000), decades=st.integers(0, 30))
+def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
+    # the kernels' encode (table lookup for the nearest code, then the shared stochastic_code) against
+    # the eager MapFormat.code_of (searchsorted, then stochastic_code), bit for bit; map entries exact
+    from qstate.formats import get_format
+    from qstate.optim._codec import get_codec
+
+    f = get_format(fmt)
+    qmap = f.make_qmap(True)
+    codec = get_codec(fmt, True, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, generator=g) * 2 - 1) * 10.0 ** -torch.randint(0, decades + 1, (n,), generator=g)
+    y = torch.cat([y, qmap, -qmap, torch.tensor([0.0, -0.0, 1e-38, -1e-38])]).clamp(-1.0, 1.0)
+    want = f.code_of(y, True, qmap, rounding="stochastic")
+    assert torch.equal(codec.encode(y, codec.tables, "stochastic"), want)
+    assert torch.equal(want[n:n + qmap.numel()], torch.arange(qmap.numel(), dtype=torch.uint8))
+
+
+def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes():
+    from qstate.optim._kernels import fusable, state_entry
+
+    p, g = torch.randn(8, 64), torch.randn(8, 64)
+    m = qstate.zeros_like(p, "4bit", rounding="stochastic")
+    v = qstate.zeros_like(p, "4bit", signed=False)
+    assert state_entry(m) == ("q", "4bit", True, 128, "stochastic")
+    assert state_entry(v) == ("q", "4bit", False, 128, "nearest")
+    assert fusable(p, g, [m, v])
+    # a state whose format does not implement its rounding (built past the public API's checks) runs eagerly
+    fp8 = qstate.zeros_like(p, "fp8")
+    odd = qstate.QuantizedState(fp8.codes, fp8.scale, None, format="fp8", signed=True, block_size=256,
+                                row_len=64, shape=(8, 64), dtype=torch.float32, rounding="stochastic")
+    assert fusable(p, g, [fp8]) and not fusable(p, g, [odd])

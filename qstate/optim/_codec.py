@@ -19,6 +19,11 @@ The table is built once per map by bisection over float bit patterns, so ties
 and rounding match ``nearest_code`` exactly (including "ties go to the lower code"). Formats
 whose ``code_of`` is already elementwise arithmetic (``fp8``) and formats this
 module does not know use their own ``code_of``/``value_of``.
+
+Stochastic rounding (``rounding="stochastic"``) starts from that nearest code
+and calls the format package's :func:`~qstate.formats.stochastic_code`, the
+same function ``MapFormat.code_of`` calls, so compiled and eager codes agree
+bit for bit for both modes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..formats import BlockFormat, MapFormat, get_format, nearest_code
+from ..formats import BlockFormat, MapFormat, get_format, nearest_code, stochastic_code
 
 __all__ = ["Codec", "get_codec"]
 
@@ -164,10 +169,14 @@ class Codec:
             return tables[0][codes.to(torch.int32)]
         return self.fmt.value_of(codes, tables[0] if tables else None)
 
-    def encode(self, y: Tensor, tables: list[Tensor]) -> Tensor:
-        """``uint8`` codes of normalized values ``y`` (== ``format.code_of(y, signed, qmap)``)."""
+    def supports(self, rounding: str) -> bool:
+        """Whether :meth:`encode` implements ``rounding`` for this codec's states."""
+        return self.fmt.supports_rounding(rounding, self.signed)
+
+    def encode(self, y: Tensor, tables: list[Tensor], rounding: str = "nearest") -> Tensor:
+        """``uint8`` codes of normalized values ``y`` (== ``format.code_of(y, signed, qmap, rounding)``)."""
         if not self.lookup:
-            return self.fmt.code_of(y, self.signed, tables[0] if tables else None)
+            return self.fmt.code_of(y, self.signed, tables[0] if tables else None, rounding=rounding)
         shift = 23 - self.m_bits
         mask = (1 << shift) - 1
         bits = y.abs().view(torch.int32)
@@ -177,7 +186,10 @@ class Codec:
         low = bits & mask
         low = torch.where(neg, mask - low, low)
         idx = (entry & 0xFF) + (low > (entry >> 8)).to(torch.int32)
-        if not self.signed:  # as MapFormat.code_of: a positive value never takes the zero code
+        if rounding == "stochastic":
+            assert self.supports(rounding), "stochastic rounding of unsigned map states is not implemented"
+            idx = stochastic_code(y, idx, tables[0])
+        elif not self.signed:  # as MapFormat.code_of: a positive value never takes the zero code
             idx = torch.where((idx == self.zero_code) & (y > 0), idx + 1, idx)
         return idx.to(torch.uint8)
 

@@ -1,8 +1,10 @@
 """Fused, compiled update kernels: one graph per kernel *kind*, never per shape.
 
 A kernel kind (:class:`KernelSpec`) is the optimizer rule and its static
-flags, the parameter dtype, stochastic rounding on/off, and per state either
-``("plain", dtype)`` or ``("q", format, block_size)``; shapes are not part of
+flags, the parameter dtype, bf16 stochastic rounding of the parameter on/off,
+and per state either ``("plain", dtype)`` or ``("q", format, signed,
+block_size, rounding)`` (``rounding``: the state's own, ``"nearest"`` or
+``"stochastic"``, see :mod:`qstate.formats._rounding`); shapes are not part of
 it. Each kind is compiled once (``fullgraph=True, dynamic=True``) from a
 function with its own code object, so kinds never share dynamo's cache
 entries or recompile limit.
@@ -62,7 +64,7 @@ class KernelSpec:
     flags: tuple  # sorted (name, value) pairs of the rule's static flags
     param_dtype: torch.dtype
     stochastic_round: bool
-    states: tuple  # per state: ("plain", dtype) or ("q", format, signed, block_size)
+    states: tuple  # per state: ("plain", dtype) or ("q", format, signed, block_size, rounding)
     device_type: str
 
     @property
@@ -130,6 +132,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
     names = rule.scalar_names
     fmts = [get_format(s[1]) for s in spec.states]
     block_sizes = [s[3] for s in spec.states]
+    roundings = [s[4] for s in spec.states]
     unit = _block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
@@ -157,7 +160,8 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         p_new, new = rule.math(p.float(), g.float(), prev, h, flags)
 
         new_scales = []
-        for fmt, codec, bs, value, (codes, scale, tables) in zip(fmts, codecs, block_sizes, new, states):
+        for fmt, codec, bs, rounding, value, (codes, scale, tables) in zip(
+                fmts, codecs, block_sizes, roundings, new, states):
             # reduced as [R, NB, ., bs]: a loop nest of its own, apart from the [N, unit] element loops
             absmax = torch.where(valid, value.abs(), 0.0).view(rows, nb, unit // bs, bs).amax(dim=-1)
             absmax = absmax.view(n, unit // bs)
@@ -165,7 +169,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
             safe = torch.where(new_scale == 0, torch.ones_like(new_scale), new_scale)
             y = value.view(n, unit // bs, bs) / safe.unsqueeze(-1)
             # padding lanes get arbitrary codes: _BlockSpace.write_back drops them
-            codes.copy_(_packed(fmt.bits, codec.encode(y, tables).view(n, unit)))
+            codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding).view(n, unit)))
             new_scales.append(new_scale)
         # padding keeps its value (which also keeps this write in the loops over blocks)
         store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round)
@@ -223,7 +227,7 @@ def kernel_kinds() -> list[str]:
 def state_entry(state: Tensor) -> tuple:
     """The :class:`KernelSpec` entry of one state."""
     if type(state) is QuantizedState:
-        return ("q", state.format, state.signed, state.block_size)
+        return ("q", state.format, state.signed, state.block_size, state.rounding)
     return ("plain", state.dtype)
 
 
@@ -239,7 +243,8 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
                 return False
             if not (s.codes.is_contiguous() and s.scale.is_contiguous()):
                 return False
-            if not get_codec(s.format, s.signed, p.device).matches(s.qmap):
+            codec = get_codec(s.format, s.signed, p.device)
+            if not (codec.matches(s.qmap) and codec.supports(s.rounding)):
                 return False
         elif type(s) is Tensor:
             if s.device != p.device or not s.is_contiguous() or s.shape != p.shape:
