@@ -36,12 +36,15 @@ def _sgd_4bit_nesterov(ps, gs, states, step):
           compile=True)
 
 
-#: name -> (update, param dtype, per state (format, signed, block size)); mixed block sizes, bf16 params
+SR = "stochastic"
+
+#: name -> (update, param dtype, per state (format, signed, block size[, rounding])); mixed block sizes,
+#: bf16 params, stochastic rounding (as the optimizers' default for 4-bit first moments)
 CASES = {
     "adamw_8bit": (_adamw_8bit, torch.float32, [("8bit", True, 256), ("8bit", False, 256)]),
     "adam_4bit_amsgrad_bf16": (_adam_4bit_amsgrad, torch.bfloat16,
-                               [("4bit", True, 64), ("4bit", False, 128), ("4bit", False, 128)]),
-    "lion_8bit_block_100": (_lion_8bit, torch.float32, [("8bit", True, 100)]),
+                               [("4bit", True, 64, SR), ("4bit", False, 128), ("4bit", False, 128)]),
+    "lion_8bit_block_100_stochastic": (_lion_8bit, torch.float32, [("8bit", True, 100, SR)]),
     "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
 }
 
@@ -50,8 +53,9 @@ def _run(case: str, c_kernel: bool, steps: int = 3):
     update, dtype, kinds = CASES[case]
     gen = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
-    states = [[qstate.zeros_like(p, fmt, signed=signed, block_size=bs, dtype=torch.float32) for p in ps]
-              for fmt, signed, bs in kinds]
+    states = [[qstate.zeros_like(p, kind[0], signed=kind[1], block_size=kind[2], dtype=torch.float32,
+                                 rounding=kind[3] if len(kind) > 3 else "nearest") for p in ps]
+              for kind in kinds]
     with cpu_kernel_enabled(c_kernel):
         for step in range(1, steps + 1):
             # tiny and huge magnitudes in one block: codes across the whole map
@@ -86,19 +90,17 @@ def test_one_build_per_kind_not_per_shape():
     assert sum(k.startswith("adam_") for k in kinds) >= 2 and sum(k.startswith("lion_") for k in kinds) >= 1
 
 
-def test_stochastic_states_and_bf16_stochastic_rounding_keep_the_inductor_kernel():
-    p = torch.randn(8, 256)
-    m = qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic")
-    spec = KernelSpec("sgd", (("maximize", False), ("momentum", True), ("nesterov", False)), torch.float32,
-                        False, (state_entry(m),), "cpu")
-    assert not _cpu_kernel.supports(spec, torch.device("cpu"), torch.float32)
-    q = qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32)
-    spec_rn = KernelSpec(spec.rule, spec.flags, torch.float32, False, (state_entry(q),), "cpu")
-    assert _cpu_kernel.supports(spec_rn, torch.device("cpu"), torch.float32)
-    spec_sr = KernelSpec(spec.rule, spec.flags, torch.bfloat16, True, (state_entry(q),), "cpu")
-    assert not _cpu_kernel.supports(spec_sr, torch.device("cpu"), torch.bfloat16)
+def test_bf16_stochastic_rounding_of_params_keeps_the_inductor_kernel():
+    # its random bits come from torch's generator, which only the inductor kernel draws from
+    q = qstate.zeros_like(torch.randn(8, 256), "4bit", signed=True, dtype=torch.float32, rounding=SR)
+    flags = (("maximize", False), ("momentum", True), ("nesterov", False))
+    cpu = torch.device("cpu")
+    spec = KernelSpec("sgd", flags, torch.bfloat16, False, (state_entry(q),), "cpu")
+    assert _cpu_kernel.supports(spec, cpu, torch.bfloat16)
+    spec_sr = KernelSpec("sgd", flags, torch.bfloat16, True, (state_entry(q),), "cpu")
+    assert not _cpu_kernel.supports(spec_sr, cpu, torch.bfloat16)
     with cpu_kernel_enabled(False):
-        assert not _cpu_kernel.supports(spec_rn, torch.device("cpu"), torch.float32)
+        assert not _cpu_kernel.supports(spec, cpu, torch.bfloat16)
 
 
 class TestErrors(expecttest.TestCase):

@@ -16,7 +16,8 @@ A compiler failure raises (with the compiler's message); nothing falls back
 silently.
 
 Which kinds it takes (:func:`supports`): CPU, every state a ``QuantizedState``
-of a map format (``8bit``/``4bit``) with round-to-nearest, a float32 or
+of a map format (``8bit``/``4bit``) with a rounding its codec implements
+(stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), a float32 or
 bfloat16 parameter without stochastic rounding (whose random bits come from
 torch's generator, which only the inductor kernel draws from). Everything
 else keeps the compiled inductor kernel. ``cpu_kernel_enabled(False)`` turns
@@ -72,8 +73,8 @@ def cpu_kernel_enabled(enabled: bool):
         _ENABLED[0] = before
 
 
-def _nearest(entry: tuple) -> bool:
-    return len(entry) < 5 or entry[4] == "nearest"
+def _rounding(entry: tuple) -> str:
+    return entry[4] if len(entry) > 4 else "nearest"
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -88,7 +89,9 @@ def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     if spec.stochastic_round and spec.param_dtype == torch.bfloat16:
         return False
     for s in spec.states:
-        if s[0] != "q" or not isinstance(get_format(s[1]), MapFormat) or not _nearest(s):
+        if s[0] != "q" or not isinstance(get_format(s[1]), MapFormat):
+            return False
+        if not get_codec(s[1], s[2], device).supports(_rounding(s)):
             return False
     sizes = [s[3] for s in spec.states]
     group = math.gcd(*sizes)
@@ -117,7 +120,8 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     for i, s in enumerate(spec.states):
         codec = get_codec(s[1], s[2], "cpu")
         consts = {"BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed), "SHIFT": 23 - codec.m_bits,
-                  "BASE": codec.base, "K": codec.k, "ZERO": codec.zero_code}
+                  "BASE": codec.base, "K": codec.k, "ZERO": codec.zero_code, "SR": int(_rounding(s) == "stochastic"),
+                  "N": codec.qmap.numel()}
         lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
     lines.append("#define FOR_STATES(X) " + " ".join(f"X({i})" for i in range(len(spec.states))))
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@
  *   NSTATES                              number of quantized states (1..3)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
+ *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
  *
@@ -28,6 +29,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_VBMI 1
+#else
+#define HAVE_VBMI 0
+#endif
 
 typedef struct {
     uint8_t *codes;
@@ -137,7 +144,27 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #endif
 }
 
-/* Nearest code of a normalized value (qstate/optim/_codec.py Codec.encode). */
+/* Stochastic rounding of y onto the sorted map from its nearest code c (qstate/formats/_rounding.py:
+ * lowbias32 hash of y's bits; up with probability (y - lo) / (hi - lo); exact on map entries). */
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n) {
+    c -= qmap[c] > y;
+    c = c < 0 ? 0 : (c > n - 2 ? n - 2 : c);
+    const float lo = qmap[c], hi = qmap[c + 1];
+    const float draw = (float)(lowbias32(f2u(y)) >> 8);
+    const int32_t up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * 16777216.0f));
+    return c + up;
+}
+
+/* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
+ * then stochastic rounding for S<i>_SR states. */
 #define ENCODE(i, y, out)                                                              \
     do {                                                                               \
         uint32_t bits_ = f2u(fabsf(y));                                                \
@@ -148,7 +175,8 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
         int32_t low_ = (int32_t)(bits_ & ((1u << S##i##_SHIFT) - 1u));                 \
         low_ = neg_ ? (int32_t)((1u << S##i##_SHIFT) - 1u) - low_ : low_;              \
         int32_t c_ = (entry_ & 0xFF) + (low_ > (entry_ >> 8));                          \
-        if (!S##i##_SIGNED) c_ = (c_ == S##i##_ZERO && (y) > 0.0f) ? c_ + 1 : c_;      \
+        if (S##i##_SR) c_ = stochastic_code((y), c_, qmap##i, S##i##_N);                \
+        else if (!S##i##_SIGNED) c_ = (c_ == S##i##_ZERO && (y) > 0.0f) ? c_ + 1 : c_; \
         (out) = (uint8_t)c_;                                                           \
     } while (0)
 
@@ -156,13 +184,72 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
     const float *restrict qmap##i = st[i].qmap;                                           \
     const int32_t *restrict tab##i = st[i].table;
 
+/* Byte planes of a 256-entry float table: plane k holds byte k of every entry (for decode8). */
+typedef struct {
+    uint8_t b[4][256];
+} planes_t;
+
+static void make_planes(const float *qmap, planes_t *out) {
+    for (int c = 0; c < 256; c++)
+        for (int k = 0; k < 4; k++) out->b[k][c] = (uint8_t)(f2u(qmap[c]) >> (8 * k));
+}
+
+/* out[j] = qmap[codes[j]] * sc for j < n: 64 codes at a time as four in-register byte-table
+ * lookups (vpermi2b over 2 x 128 entries each) and two interleaves back into floats, exactly the
+ * table's bits; the tail (and machines without AVX-512 VBMI) reads the table. */
+static inline void decode8(const uint8_t *restrict codes, int64_t n, const float *restrict qmap,
+                           const planes_t *restrict pl, float sc, float *restrict out) {
+    int64_t j = 0;
+#if HAVE_VBMI
+    const __m512 vs = _mm512_set1_ps(sc);
+    __m512i t[4][4];
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) t[k][q] = _mm512_loadu_si512((const void *)(pl->b[k] + 64 * q));
+    /* byte interleave of elements 0..31 / 32..63 of two planes; word interleave of two such */
+    uint8_t il_b[2][64];
+    uint16_t il_w[2][32];
+    for (int e = 0; e < 32; e++) {
+        il_b[0][2 * e] = (uint8_t)e, il_b[0][2 * e + 1] = (uint8_t)(64 + e);
+        il_b[1][2 * e] = (uint8_t)(32 + e), il_b[1][2 * e + 1] = (uint8_t)(96 + e);
+    }
+    for (int e = 0; e < 16; e++) {
+        il_w[0][2 * e] = (uint16_t)e, il_w[0][2 * e + 1] = (uint16_t)(32 + e);
+        il_w[1][2 * e] = (uint16_t)(16 + e), il_w[1][2 * e + 1] = (uint16_t)(48 + e);
+    }
+    const __m512i ib0 = _mm512_loadu_si512(il_b[0]), ib1 = _mm512_loadu_si512(il_b[1]);
+    const __m512i iw0 = _mm512_loadu_si512(il_w[0]), iw1 = _mm512_loadu_si512(il_w[1]);
+    for (; j + 64 <= n; j += 64) {
+        const __m512i idx = _mm512_loadu_si512((const void *)(codes + j));
+        const __mmask64 high = _mm512_movepi8_mask(idx);
+        __m512i b[4];
+        for (int k = 0; k < 4; k++) {
+            const __m512i lo = _mm512_permutex2var_epi8(t[k][0], idx, t[k][1]);
+            const __m512i hi = _mm512_permutex2var_epi8(t[k][2], idx, t[k][3]);
+            b[k] = _mm512_mask_blend_epi8(high, lo, hi);
+        }
+        for (int half = 0; half < 2; half++) {
+            const __m512i ib = half ? ib1 : ib0;
+            const __m512i w01 = _mm512_permutex2var_epi8(b[0], ib, b[1]);
+            const __m512i w23 = _mm512_permutex2var_epi8(b[2], ib, b[3]);
+            const __m512 f0 = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw0, w23));
+            const __m512 f1 = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw1, w23));
+            _mm512_storeu_ps(out + j + 32 * half, _mm512_mul_ps(f0, vs));
+            _mm512_storeu_ps(out + j + 32 * half + 16, _mm512_mul_ps(f1, vs));
+        }
+    }
+#else
+    (void)pl;
+#endif
+    for (; j < n; j++) out[j] = qmap[codes[j]] * sc;
+}
+
 /* decode n <= GROUP codes of state i at column col of row r into vals<i>[] */
 #define DECODE_GROUP(i)                                                                   \
     {                                                                                     \
         const float sc = st[i].scale[r * st[i].scale_stride + col / S##i##_BS];           \
         const uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                 \
         if (S##i##_BITS == 8) {                                                           \
-            for (int64_t j = 0; j < n; j++) vals##i[j] = qmap##i[cp[col + j]] * sc;       \
+            decode8(cp + col, n, qmap##i, planes + (i), sc, vals##i);                     \
         } else {                                                                          \
             const uint8_t *restrict bp = cp + col / 2;                                    \
             for (int64_t j = 0; j < (n + 1) / 2; j++) {                                   \
@@ -172,6 +259,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
         }                                                                                 \
     }
 
+#define MAKE_PLANES(i) if (S##i##_BITS == 8) make_planes(st[i].qmap, planes + (i));
 #define DECLARE_VALS(i) float vals##i[GROUP + 1];
 #define LOAD_STATE(i) s##i = vals##i[j];
 #define STORE_STATE(i) newv##i[col - c0 + j] = s##i;
@@ -219,7 +307,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
-                           int64_t r, int64_t c0, int64_t len) {
+                           const planes_t *planes, int64_t r, int64_t c0, int64_t len) {
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
@@ -243,10 +331,12 @@ void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float 
                    int nthreads) {
     const int64_t segs = (row_len + UNIT - 1) / UNIT;
     const int64_t items = rows * segs;
+    planes_t planes[NSTATES];
+    FOR_STATES(MAKE_PLANES)
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t r = it / segs, c0 = (it % segs) * UNIT;
         const int64_t len = (row_len - c0) < UNIT ? (row_len - c0) : UNIT;
-        update_segment(p + r * row_len, g + r * row_len, st, h, r, c0, len);
+        update_segment(p + r * row_len, g + r * row_len, st, h, planes, r, c0, len);
     }
 }
