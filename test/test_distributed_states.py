@@ -192,12 +192,19 @@ def _full_states(opt) -> list:
     return out
 
 
+def _roundings(opt) -> list:
+    from qstate.distributed import local_of
+
+    return [(k, getattr(local_of(st[k]), "rounding", None)) for st in opt.state.values() for k in sorted(st)]
+
+
 def optimizer_state_dict_body(rank: int, world_size: int, fmt: str) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
     model, opt = _trained(fmt)
     expect = _full_states(opt)
+    assert (("exp_avg", "stochastic") in _roundings(opt)) == (fmt == "4bit")
     for full in (True, False):
         options = StateDictOptions(full_state_dict=full)
         sd = get_optimizer_state_dict(model, opt, options=options)
@@ -209,11 +216,13 @@ def optimizer_state_dict_body(rank: int, world_size: int, fmt: str) -> None:
         set_optimizer_state_dict(model2, opt2, sd, options=options)
         got = _full_states(opt2)
         assert len(got) == len(expect) and all(torch.equal(a, b) for a, b in zip(got, expect)), full
+        # every state keeps its rounding (4bit: stochastic first moments) through both paths
+        assert _roundings(opt2) == _roundings(opt), (full, _roundings(opt2))
         # the stochastic-rounding stream is (seed, group, step): all of it survives the round trip
         assert [g["seed"] for g in opt2.param_groups] == [g["seed"] for g in opt.param_groups]
         assert all(int(opt2.state[p2]["step"]) == 2 for p2 in model2.parameters())
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_get_set_optimizer_state_dict_full_and_sharded(world_size):
-    run_distributed(optimizer_state_dict_body, world_size, "8bit")
+@pytest.mark.parametrize("world_size,fmt", [(2, "8bit"), (3, "8bit"), (2, "4bit")])
+def test_get_set_optimizer_state_dict_full_and_sharded(world_size, fmt):
+    run_distributed(optimizer_state_dict_body, world_size, fmt)

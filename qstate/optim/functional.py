@@ -4,7 +4,9 @@ Each function updates ``params`` and their states in place, like
 ``torch.optim``'s functional API. States may be plain tensors (float32 or
 bfloat16), :class:`~qstate.QuantizedState` (build them with
 ``qstate.zeros_like(p, fmt, signed=..., dtype=torch.float32)``; second
-moments unsigned) or DTensors over either. Other optimizer libraries can
+moments unsigned; the optimizers give ``4bit`` first moments
+``rounding="stochastic"``) or DTensors over either. Each quantized state
+is written with its own rounding mode. Other optimizer libraries can
 call these with their own state tensors.
 
 Paths

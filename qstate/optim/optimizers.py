@@ -5,6 +5,14 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
 * ``state_format``: ``"8bit"``, ``"4bit"``, ``"fp8"`` (quantized states,
   :class:`~qstate.QuantizedState`), ``"bf16"`` or ``"fp32"`` (plain states);
 * ``block_size``: quantization block size (default: the format's);
+* ``state_rounding`` (None): how new values are rounded into the *signed*
+  quantized states (first moments, momentum buffers): ``"nearest"`` or
+  ``"stochastic"`` (unbiased, a deterministic function of each value; the
+  map formats ``8bit``/``4bit`` implement it). None: stochastic for ``4bit``
+  (whose round-to-nearest stalls small EMA increments), nearest otherwise.
+  Unsigned states (second moments) always round to nearest. Each state keeps
+  its rounding (``QuantizedState.rounding``); loading a checkpoint whose
+  states round otherwise raises;
 * ``min_quantize_numel`` (4096): parameters with fewer elements keep float32
   states;
 * ``bf16_stochastic_round``: write bfloat16 parameters with unbiased
@@ -59,13 +67,14 @@ class Adam(QuantizedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: Optional[bool] = None, state_format: str = "8bit",
                  block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
+                 state_rounding: Optional[str] = None):
         decoupled = self._decoupled_default if decoupled_weight_decay is None else decoupled_weight_decay
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, decoupled_weight_decay=decoupled)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed)
+                         compile=compile, seed=seed, state_rounding=state_rounding)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -87,11 +96,12 @@ class AdamW(Adam):
     def __init__(self, params: Iterable, lr: _LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
+                 state_rounding: Optional[str] = None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed)
+                         compile=compile, seed=seed, state_rounding=state_rounding)
 
 
 class Lion(QuantizedOptimizer):
@@ -102,11 +112,12 @@ class Lion(QuantizedOptimizer):
     def __init__(self, params: Iterable, lr: _LR = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, state_format: str = "8bit",
                  block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
+                 state_rounding: Optional[str] = None):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed)
+                         compile=compile, seed=seed, state_rounding=state_rounding)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -126,12 +137,13 @@ class SGD(QuantizedOptimizer):
     def __init__(self, params: Iterable, lr: _LR = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None):
+                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
+                 state_rounding: Optional[str] = None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed)
+                         compile=compile, seed=seed, state_rounding=state_rounding)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
