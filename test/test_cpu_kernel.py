@@ -81,6 +81,23 @@ def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
             assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
 
 
+def test_non_finite_gradients_match_the_inductor_kernel():
+    # NaN propagates into the block's scale (as torch.amax), infinities saturate: as inductor's kernel
+    results = []
+    for c_kernel in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        p, g = torch.randn(4, 512, generator=gen), torch.randn(4, 512, generator=gen)
+        g[0, 3], g[1, 300], g[2, 5] = float("nan"), float("inf"), -float("inf")
+        states = [qstate.zeros_like(p, "8bit", signed=signed, dtype=torch.float32) for signed in (True, False)]
+        with cpu_kernel_enabled(c_kernel):
+            for step in (1, 2):
+                _adamw_8bit([p], [g], [[states[0]], [states[1]]], step)
+        results.append([p] + [t for s in states for t in (s.codes, s.scale)])
+    for x, y in zip(*results):
+        assert torch.equal(x, y) or torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
+    assert results[0][2].isnan().any()  # the NaN block's scale
+
+
 def test_one_build_per_kind_not_per_shape():
     for case in CASES:
         _run(case, c_kernel=True, steps=1)

@@ -194,6 +194,25 @@ static void make_planes(const float *qmap, planes_t *out) {
         for (int k = 0; k < 4; k++) out->b[k][c] = (uint8_t)(f2u(qmap[c]) >> (8 * k));
 }
 
+#if HAVE_VBMI
+/* vpermt2b / vpermt2w indices interleaving elements 0..31 | 32..63 of two byte vectors, and
+ * 0..15 | 16..31 of two word vectors */
+static const uint8_t IL_B[2][64] __attribute__((aligned(64))) = {
+    {0, 64, 1, 65, 2, 66, 3, 67, 4, 68, 5, 69, 6, 70, 7, 71,
+     8, 72, 9, 73, 10, 74, 11, 75, 12, 76, 13, 77, 14, 78, 15, 79,
+     16, 80, 17, 81, 18, 82, 19, 83, 20, 84, 21, 85, 22, 86, 23, 87,
+     24, 88, 25, 89, 26, 90, 27, 91, 28, 92, 29, 93, 30, 94, 31, 95},
+    {32, 96, 33, 97, 34, 98, 35, 99, 36, 100, 37, 101, 38, 102, 39, 103,
+     40, 104, 41, 105, 42, 106, 43, 107, 44, 108, 45, 109, 46, 110, 47, 111,
+     48, 112, 49, 113, 50, 114, 51, 115, 52, 116, 53, 117, 54, 118, 55, 119,
+     56, 120, 57, 121, 58, 122, 59, 123, 60, 124, 61, 125, 62, 126, 63, 127}};
+static const uint16_t IL_W[2][32] __attribute__((aligned(64))) = {
+    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+#endif
+
 /* out[j] = qmap[codes[j]] * sc for j < n: 64 codes at a time as four in-register byte-table
  * lookups (vpermi2b over 2 x 128 entries each) and two interleaves back into floats, exactly the
  * table's bits; the tail (and machines without AVX-512 VBMI) reads the table. */
@@ -206,18 +225,8 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
     for (int k = 0; k < 4; k++)
         for (int q = 0; q < 4; q++) t[k][q] = _mm512_loadu_si512((const void *)(pl->b[k] + 64 * q));
     /* byte interleave of elements 0..31 / 32..63 of two planes; word interleave of two such */
-    uint8_t il_b[2][64];
-    uint16_t il_w[2][32];
-    for (int e = 0; e < 32; e++) {
-        il_b[0][2 * e] = (uint8_t)e, il_b[0][2 * e + 1] = (uint8_t)(64 + e);
-        il_b[1][2 * e] = (uint8_t)(32 + e), il_b[1][2 * e + 1] = (uint8_t)(96 + e);
-    }
-    for (int e = 0; e < 16; e++) {
-        il_w[0][2 * e] = (uint16_t)e, il_w[0][2 * e + 1] = (uint16_t)(32 + e);
-        il_w[1][2 * e] = (uint16_t)(16 + e), il_w[1][2 * e + 1] = (uint16_t)(48 + e);
-    }
-    const __m512i ib0 = _mm512_loadu_si512(il_b[0]), ib1 = _mm512_loadu_si512(il_b[1]);
-    const __m512i iw0 = _mm512_loadu_si512(il_w[0]), iw1 = _mm512_loadu_si512(il_w[1]);
+    const __m512i ib0 = _mm512_load_si512(IL_B[0]), ib1 = _mm512_load_si512(IL_B[1]);
+    const __m512i iw0 = _mm512_load_si512(IL_W[0]), iw1 = _mm512_load_si512(IL_W[1]);
     for (; j + 64 <= n; j += 64) {
         const __m512i idx = _mm512_loadu_si512((const void *)(codes + j));
         const __mmask64 high = _mm512_movepi8_mask(idx);
@@ -262,20 +271,27 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
 #define MAKE_PLANES(i) if (S##i##_BITS == 8) make_planes(st[i].qmap, planes + (i));
 #define DECLARE_VALS(i) float vals##i[GROUP + 1];
 #define LOAD_STATE(i) s##i = vals##i[j];
-#define STORE_STATE(i) newv##i[col - c0 + j] = s##i;
-#define DECLARE_NEWV(i) float newv##i[UNIT];
+/* new state value into the segment buffer; |value| as bits into the group's running max (integer order
+ * is float order for |x|, and a NaN is above every number, so the max propagates NaN as torch.amax) */
+#define STORE_STATE(i)                                                                    \
+    newv##i[col - c0 + j] = s##i;                                                         \
+    {                                                                                     \
+        const uint32_t a_ = f2u(s##i) & 0x7fffffffu;                                      \
+        gmax##i = a_ > gmax##i ? a_ : gmax##i;                                            \
+    }
+#define DECLARE_NEWV(i) float newv##i[UNIT]; uint32_t gbits##i[UNIT / GROUP]; /* per group max |x| bits */
+#define ZERO_GMAX(i) uint32_t gmax##i = 0;
+#define SAVE_GMAX(i) gbits##i[(col - c0) / GROUP] = gmax##i;
 
-/* absmax of each block of state i in [c0, c0 + len) of row r; new scales; codes */
+/* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
 #define ENCODE_BLOCKS(i)                                                                  \
     for (int64_t b0 = c0; b0 < c0 + len; b0 += S##i##_BS) {                               \
         const int64_t bn = (c0 + len - b0) < S##i##_BS ? (c0 + len - b0) : S##i##_BS;     \
         const float *restrict x = newv##i + (b0 - c0);                          \
-        /* |x| as bits: integer order is float order, and a NaN is above every number */  \
+        /* the block's absmax: the max of its groups' (GROUP divides the block size) */   \
         uint32_t abits = 0;                                                               \
-        for (int64_t j = 0; j < bn; j++) {                                                \
-            const uint32_t a = f2u(x[j]) & 0x7fffffffu;                                   \
-            abits = a > abits ? a : abits;                                                \
-        }                                                                                 \
+        for (int64_t k = (b0 - c0) / GROUP; k < (b0 - c0 + bn + GROUP - 1) / GROUP; k++)  \
+            abits = gbits##i[k] > abits ? gbits##i[k] : abits;                            \
         const float amax = u2f(abits);                                                    \
         st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = amax;                      \
         const float div = amax == 0.0f ? 1.0f : amax;                                     \
@@ -316,12 +332,14 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         FOR_STATES(DECODE_GROUP)
         param_t *restrict pp = p + col;
         const grad_t *restrict gp = g + col;
+        FOR_STATES(ZERO_GMAX)
         for (int64_t j = 0; j < n; j++) {
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
             FOR_STATES(LOAD_STATE)
             pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h));
             FOR_STATES(STORE_STATE)
         }
+        FOR_STATES(SAVE_GMAX)
     }
     FOR_STATES(ENCODE_BLOCKS)
 }
