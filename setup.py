@@ -8,6 +8,8 @@ setup(
         "that DTensor and FSDP2 run natively"
     ),
     packages=find_packages(include=["qstate", "qstate.*"]),
+    # the CPU update kernel's C source, compiled on first use (qstate/optim/_cpu_kernel.py)
+    package_data={"qstate.optim": ["csrc/*.c"]},
     python_requires=">=3.10",
     # Minimum supported torch: 2.6 (public torch.distributed.tensor and
     # torch.distributed.fsdp.fully_shard). CI runs 2.13.0.
