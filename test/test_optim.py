@@ -155,8 +155,8 @@ def test_compiled_quantized_matches_eager(fmt, rounding):
 
 
 def test_compiled_4bit_stochastic_matches_eager():
-    # Stochastic rounding decides from the new moment's float bits, and the compiled lerp differs from
-    # ATen's (FMA) in the last bit of ~10% of elements: equal inputs give equal codes, not equal runs.
+    # Stochastic rounding decides from the new moment's float bits, and the compiled kernels' lerp differs
+    # from ATen's (FMA) in the last bit of ~10% of elements: equal inputs give equal codes, not equal runs.
     # beta1 = 0 makes the new first moment the gradient itself on both paths: codes equal exactly.
     a, b, oe, oc = _eager_and_compiled("4bit", betas=(0.0, 0.999))
     for x, y in zip(a, b):

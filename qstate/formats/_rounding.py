@@ -17,7 +17,8 @@ entries:
 
        x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16
 
-2. ``c``: the largest code with ``qmap[c] <= y``, clamped to ``[0, n - 2]``;
+2. ``c``: the largest code with ``qmap[c] <= y``, clamped to ``[0, n - 2]``
+   (0 for ``y`` below ``qmap[0]``: the signed 8bit map has no -1);
    ``lo = qmap[c]``, ``hi = qmap[c + 1]``.
 3. The code is ``c + 1`` if ``y >= hi``, ``c`` if ``y <= lo``, and otherwise
    ``c + 1`` iff ``float(h >> 8) * (hi - lo) < (y - lo) * 2**24``, evaluated
@@ -29,11 +30,14 @@ Properties:
 * unbiased: over ``h`` uniform in ``[0, 2**32)``, ``P(c + 1) = (y - lo) / (hi
   - lo)`` up to float32 rounding (``2**-24`` relative), so the expected
   decoded value is ``y``;
-* values on a map entry encode exactly, with no randomness: 0 (zero blocks,
-  padding), and ``+-1`` (a block's absmax, so ``scale`` is unaffected);
+* values on a map entry encode exactly, with no randomness: 0 and -0.0
+  (zero blocks, padding), and ``+-1`` (a block's absmax, so ``scale`` is
+  unaffected); values outside ``[qmap[0], qmap[n - 1]]`` take the end code;
 * a pure function of ``y``'s bits: no random state, no step counter, no
   position. Sharding, slicing, the world size and the execution path
-  (eager, compiled, C) never change a decision. Equal normalized values get
+  (eager, compiled, C) never change the decision for a given ``y`` (the
+  paths may compute ``y`` itself differently in the last bit: ATen's lerp
+  uses a fused multiply-add, for one). Equal normalized values get
   equal decisions: a value that recurs bit for bit (an EMA whose gradient
   and decoded state repeat exactly) rounds the same way every time. On real
   gradients ``y`` changes every step, so the decisions decorrelate (the
