@@ -2,8 +2,9 @@
 
 The model has 6 distinct weight shapes that every 8-bit optimizer here
 quantizes (>= 4096 elements, a multiple of 256; one 4-D conv weight) and 6
-distinct 1-D shapes with plain states. qstate compiles one graph per kernel
-kind whatever the shapes; torchao's AdamW8bit compiles one per shape.
+distinct 1-D shapes with plain states. qstate compiles one kernel per kernel
+kind whatever the shapes (on CPU a C kernel for 8bit/4bit states, an
+inductor graph for fp8); torchao's AdamW8bit compiles one graph per shape.
 Each candidate runs in a fresh process with an empty compile cache, so its
 first step includes all of its compilation.
 
@@ -22,6 +23,7 @@ import torch
 from _common import (RESULTS_DIR, cold_compile_cache, environment, parse_list, save_json, target_line,
                      third_party_adamw8bit, timed)
 from qstate.optim import AdamW, kernel_kinds
+from qstate.optim._cpu_kernel import built_kinds
 
 QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")
 TORCHAO = "torchao AdamW8bit"
@@ -60,7 +62,8 @@ def run_one(name: str) -> dict:
     return {"first_step_s": first, "second_step_ms": 1e3 * second, "graphs": graphs,
             "params": len(params), "numel": sum(p.numel() for p in params),
             "shapes": len({tuple(p.shape) for p in params}),
-            "kernel_kinds": kernel_kinds() if name in QSTATE else []}
+            "kernel_kinds": kernel_kinds() if name in QSTATE else [],
+            "c_kernels": built_kinds() if name in QSTATE else []}
 
 
 def run_fresh(name: str) -> dict:
@@ -98,9 +101,10 @@ def main() -> None:
     r0 = next(iter(rows.values()))
     print(f"\nmodel: {r0['params']} parameters, {r0['numel']:,} elements, {r0['shapes']} distinct shapes "
           f"(6 quantized weights, 6 plain 1-D); fresh process and empty compile cache per optimizer")
-    print(f"{'optimizer':20s} {'graphs':>6s} {'first step s':>12s} {'second step ms':>14s}")
+    print(f"{'optimizer':20s} {'graphs':>6s} {'C kernels':>9s} {'first step s':>12s} {'second step ms':>14s}")
     for name, r in rows.items():
-        print(f"{name:20s} {r['graphs']:6d} {r['first_step_s']:12.2f} {r['second_step_ms']:14.2f}")
+        print(f"{name:20s} {r['graphs']:6d} {len(r['c_kernels']):9d} {r['first_step_s']:12.2f} "
+              f"{r['second_step_ms']:14.2f}")
     for name, r in rows.items():
         if r["kernel_kinds"]:
             print(f"{name} kernel kinds:", *r["kernel_kinds"], sep="\n  ")

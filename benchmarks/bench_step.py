@@ -1,5 +1,7 @@
 """Optimizer step time and state memory: qstate AdamW (each format, eager and compiled) vs torch AdamW.
 
+On CPU the compiled 8bit/4bit step is the C kernel; "compiled, inductor" rows
+time the same optimizer with it off (``cpu_kernel_enabled(False)``).
 For each parameter count ``n`` every candidate optimizer holds its own states
 over one shared set of parameters (a ``[n / 1024, 1024]`` weight and a
 ``[1024]`` bias) and gradients. After each candidate's first step (states,
@@ -25,10 +27,23 @@ import torch
 
 from _common import (RESULTS_DIR, cold_compile_cache, environment, median_ms, parse_list, parse_size, save_json,
                      state_nbytes, target_line, third_party_adamw8bit, time_interleaved, timed)
-from qstate.optim import AdamW
+from qstate.optim import AdamW, cpu_kernel_enabled
 
 BASELINE = "torch fused"
 QSTATE_FORMATS = ("8bit", "4bit", "fp8", "bf16", "fp32")
+#: formats whose compiled CPU step is the C kernel (qstate/optim/_cpu_kernel.py); also timed with inductor's
+C_KERNEL_FORMATS = ("8bit", "4bit")
+
+
+class InductorKernel:
+    """``opt`` whose steps run with the C kernel off: the compiled inductor kernel for every kind."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt, self.state = opt, opt.state
+
+    def step(self) -> None:
+        with cpu_kernel_enabled(False):
+            self.opt.step()
 
 
 def candidates() -> tuple[dict[str, Callable], list[str]]:
@@ -41,6 +56,9 @@ def candidates() -> tuple[dict[str, Callable], list[str]]:
         for compile in (True, False):
             makers[f"qstate {fmt} {'compiled' if compile else 'eager'}"] = (
                 lambda ps, fmt=fmt, compile=compile: AdamW(ps, lr=1e-3, state_format=fmt, compile=compile))
+    for fmt in C_KERNEL_FORMATS:
+        makers[f"qstate {fmt} compiled, inductor"] = (
+            lambda ps, fmt=fmt: InductorKernel(AdamW(ps, lr=1e-3, state_format=fmt)))
     others, notes = third_party_adamw8bit()
     makers.update(others)
     return makers, notes
