@@ -46,14 +46,17 @@ class FusedCall:
     tensor_scalars: tuple = ()
 
 
-#: ``kind`` string -> call; one entry per distinct optimizer configuration in the process
+#: ``kind`` string -> call and call -> ``kind``; one entry per distinct optimizer configuration in the process
 _CALLS: dict[str, FusedCall] = {}
+_KEYS: dict[FusedCall, str] = {}
 
 
 def call_key(call: FusedCall) -> str:
     """The ``kind`` argument naming ``call`` (registered on first use)."""
-    key = repr(call)
-    _CALLS.setdefault(key, call)
+    key = _KEYS.get(call)
+    if key is None:
+        key = _KEYS[call] = repr(call)
+        _CALLS.setdefault(key, call)
     return key
 
 
