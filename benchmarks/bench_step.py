@@ -1,6 +1,6 @@
 """Optimizer step time and state memory: qstate AdamW (each format, eager and compiled) vs torch AdamW.
 
-On CPU the compiled 8bit/4bit step is the C kernel; "compiled, inductor" rows
+On CPU the compiled 8bit/4bit/fp8 step is the C kernel; "compiled, inductor" rows
 time the same optimizer with it off (``cpu_kernel_enabled(False)``).
 For each parameter count ``n`` every candidate optimizer holds its own states
 over one shared set of parameters (a ``[n / 1024, 1024]`` weight and a
@@ -32,7 +32,7 @@ from qstate.optim import AdamW, cpu_kernel_enabled
 BASELINE = "torch fused"
 QSTATE_FORMATS = ("8bit", "4bit", "fp8", "bf16", "fp32")
 #: formats whose compiled CPU step is the C kernel (qstate/optim/_cpu_kernel.py); also timed with inductor's
-C_KERNEL_FORMATS = ("8bit", "4bit")
+C_KERNEL_FORMATS = ("8bit", "4bit", "fp8")
 
 
 class InductorKernel:

@@ -46,6 +46,7 @@ CASES = {
                                [("4bit", True, 64, SR), ("4bit", False, 128), ("4bit", False, 128)]),
     "lion_8bit_block_100_stochastic": (_lion_8bit, torch.float32, [("8bit", True, 100, SR)]),
     "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
+    "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
 }
 
 
@@ -59,7 +60,7 @@ def _run(case: str, c_kernel: bool, steps: int = 3):
     with cpu_kernel_enabled(c_kernel):
         for step in range(1, steps + 1):
             # tiny and huge magnitudes in one block: codes across the whole map
-            gs = [(torch.randn(s, generator=gen) * 10 ** (4 * torch.rand(s, generator=gen) - 2)).to(dtype)
+            gs = [(torch.randn(s, generator=gen) * 10 ** (8 * torch.rand(s, generator=gen) - 4)).to(dtype)
                   for s in SHAPES]
             update(ps, gs, states, step)
     return ps, states

@@ -5,7 +5,7 @@ states; the classes are ``torch.optim.Optimizer`` subclasses sharing one base,
 :class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
 state_dict). The update math of each lives once in ``_rules.py`` and runs
 either as fused compiled kernels (``_kernels.py``: inductor, or on CPU a
-hand-written C kernel for map-format states, ``_cpu_kernel.py``) or eagerly
+hand-written C kernel for quantized states, ``_cpu_kernel.py``) or eagerly
 op by op.
 """
 

@@ -1,4 +1,4 @@
-"""A hand-written C kernel for the fused update of map-format states on CPU.
+"""A hand-written C kernel for the fused update of quantized states on CPU.
 
 Why: inductor's C++ for the fused quantized update is compute-bound on its
 table lookups (each becomes a scalar loop through a stack buffer, with int64
@@ -9,14 +9,14 @@ update into a float buffer, then absmax and encode per block.
 
 Build: one shared object per kernel kind (:class:`~qstate.optim._kernels.KernelSpec`,
 shapes never enter), compiled on first use with the C compiler inductor uses
-(``$CC`` or ``cc``; gcc or clang), ``-O3 -march=native -fopenmp
--ffp-contract=off``, cached in ``<inductor cache dir>/qstate`` under a hash
+(``$CC`` or ``cc``; gcc or clang) and ``_CFLAGS`` (``-O3 -march=native
+-fopenmp``; ``-ffp-contract=off``: no fused multiply-adds), cached in ``<inductor cache dir>/qstate`` under a hash
 of the source, configuration, compiler and CPU, and loaded with ``ctypes``.
 A compiler failure raises (with the compiler's message); nothing falls back
 silently.
 
 Which kinds it takes (:func:`supports`): CPU, every state a ``QuantizedState``
-of a map format (``8bit``/``4bit``) with a rounding its codec implements
+of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
 (stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), a float32 or
 bfloat16 parameter without stochastic rounding (whose random bits come from
 torch's generator, which only the inductor kernel draws from). Everything
@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..formats import MapFormat, get_format
+from ..formats.fp8 import Float8Format
 from ._codec import get_codec
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled"]
@@ -58,6 +59,9 @@ class _QState(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("qmap", ctypes.c_void_p),
                 ("table", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64)]
 
+
+#: float8_e4m3fn's value of each code (NaN for 0x7f / 0xff): an fp8 state's decode table
+_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 _ENABLED = [True]
 
@@ -89,7 +93,7 @@ def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     if spec.stochastic_round and spec.param_dtype == torch.bfloat16:
         return False
     for s in spec.states:
-        if s[0] != "q" or not isinstance(get_format(s[1]), MapFormat):
+        if s[0] != "q" or not isinstance(get_format(s[1]), (MapFormat, Float8Format)):
             return False
         if not get_codec(s[1], s[2], device).supports(_rounding(s)):
             return False
@@ -119,9 +123,11 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define UNIT {math.lcm(*sizes)}")
     for i, s in enumerate(spec.states):
         codec = get_codec(s[1], s[2], "cpu")
-        consts = {"BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed), "SHIFT": 23 - codec.m_bits,
-                  "BASE": codec.base, "K": codec.k, "ZERO": codec.zero_code, "SR": int(_rounding(s) == "stochastic"),
-                  "N": codec.qmap.numel()}
+        fp8 = not codec.lookup
+        consts = {"BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
+                  "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
+                  "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(_rounding(s) == "stochastic"),
+                  "N": 256 if fp8 else codec.qmap.numel(), "FP8": int(fp8), "MAXCODE": f"{codec.fmt.max_code!r}f"}
         lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
     lines.append("#define FOR_STATES(X) " + " ".join(f"X({i})" for i in range(len(spec.states))))
     return "\n".join(lines) + "\n"
@@ -194,7 +200,10 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor) -> 
     for slot, s in zip(arr, states):
         codec = get_codec(s.format, s.signed, p.device)
         slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
-        slot.qmap, slot.table = codec.tables[0].data_ptr(), codec.tables[1].data_ptr()
+        if codec.lookup:
+            slot.qmap, slot.table = codec.tables[0].data_ptr(), codec.tables[1].data_ptr()
+        else:  # fp8: the values of the 256 codes (decode); no encode table
+            slot.qmap, slot.table = _FP8_VALUES.data_ptr(), 0
         slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
     h = hyper if hyper.dtype == torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
     q0 = states[0]

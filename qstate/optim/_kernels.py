@@ -34,8 +34,8 @@ Shape independence
   stored: ``_INDUCTOR_OPTIONS``). The new scales are returned (the old ones are
   still read in that loop) and copied by :func:`run_fused`.
 
-On CPU, kinds whose states are all map-format ``QuantizedState`` s (8bit,
-4bit) run a hand-written C kernel instead (:mod:`._cpu_kernel`): the same
+On CPU, kinds whose states are all ``QuantizedState`` s (8bit, 4bit, fp8)
+run a hand-written C kernel instead (:mod:`._cpu_kernel`): the same
 results bit for bit, one build per kind, about 4x faster than inductor's code
 for them. :func:`run_fused` chooses.
 

@@ -1,4 +1,4 @@
-/* Fused optimizer update over map-format quantized states (8bit, 4bit), CPU.
+/* Fused optimizer update over quantized states (8bit, 4bit, fp8), CPU.
  *
  * Built by qstate/optim/_cpu_kernel.py, which prepends the configuration
  * (one shared object per kernel kind, never per shape):
@@ -11,6 +11,8 @@
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
  *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
+ *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
+ *                                        256 values by code), and its scale divisor (448)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
  *
@@ -163,10 +165,31 @@ static inline int32_t stochastic_code(float y, int32_t c, const float *restrict 
     return c + up;
 }
 
+/* fp8 states: float -> float8_e4m3fn bits exactly as torch's conversion (c10's
+ * fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 -> NaN); unsigned states as
+ * qstate.formats.fp8.code_of: a positive value never encodes as 0, a negative one as 0. */
+static inline uint8_t fp8_code(float y, int is_signed) {
+    const uint32_t bits = f2u(y), sign = bits & 0x80000000u, mag = bits ^ sign;
+    const uint32_t denorm_mask = 141u << 23;
+    const uint32_t sub = f2u(u2f(mag) + u2f(denorm_mask)) - denorm_mask;
+    const uint32_t normal = (mag + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
+    uint32_t code = mag >= (1087u << 20) ? 0x7fu : (mag < (121u << 23) ? sub : normal);
+    code = (code | (sign >> 24)) & 0xffu;
+    if (!is_signed) {
+        code = (code == 0u && y > 0.0f) ? 1u : code;
+        code = y < 0.0f ? 0u : code;
+    }
+    return (uint8_t)code;
+}
+
 /* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
  * then stochastic rounding for S<i>_SR states. */
 #define ENCODE(i, y, out)                                                              \
     do {                                                                               \
+        if (S##i##_FP8) {                                                              \
+            (out) = fp8_code((y), S##i##_SIGNED);                                      \
+            break;                                                                     \
+        }                                                                              \
         uint32_t bits_ = f2u(fabsf(y));                                                \
         int32_t neg_ = (y) < 0.0f;                                                     \
         int32_t key_ = (int32_t)(bits_ >> S##i##_SHIFT) - S##i##_BASE;                 \
@@ -293,8 +316,9 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
         for (int64_t k = (b0 - c0) / GROUP; k < (b0 - c0 + bn + GROUP - 1) / GROUP; k++)  \
             abits = gbits##i[k] > abits ? gbits##i[k] : abits;                            \
         const float amax = u2f(abits);                                                    \
-        st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = amax;                      \
-        const float div = amax == 0.0f ? 1.0f : amax;                                     \
+        const float scale = S##i##_FP8 ? amax / S##i##_MAXCODE : amax;                    \
+        st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;                     \
+        const float div = scale == 0.0f ? 1.0f : scale;                                   \
         uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
         if (S##i##_BITS == 8) {                                                           \
             _Pragma("GCC ivdep") /* codes never alias the tables */                       \
