@@ -56,8 +56,13 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def time_interleaved(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Per candidate, the seconds of each of ``repeats`` calls, timed round-robin (see module docstring)."""
+def time_interleaved(steps: dict[str, Callable[[], Any]], repeats: int,
+                     sync: Optional[Callable[[], Any]] = None) -> dict[str, list[float]]:
+    """Per candidate, the seconds of each of ``repeats`` calls, timed round-robin (see module docstring).
+
+    ``sync`` (untimed) runs before each call: ``torch.distributed.barrier`` makes every rank time the
+    same candidate at the same moment.
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     names = list(steps)
@@ -65,6 +70,8 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], repeats: int) -> dict[
     for r in range(repeats):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
+            if sync is not None:
+                sync()
             times[name].append(timed(steps[name]))
     return times
 

@@ -3,7 +3,8 @@
 Each rank (spawned by ``qstate.launch.run_ranks``: gloo, one thread) holds
 ``Shard(0)`` DTensor parameters (a ``[n / 1024 + 1, 1024]`` weight, uneven
 over 2 ranks, and a ``[1024]`` bias) and plain copies of its local shards.
-Three optimizers, timed interleaved (see ``_common.py``):
+Three optimizers; the two compiled ones timed interleaved (see ``_common.py``), each
+round after a barrier so that every rank times the same one at once, then the eager one:
 
 * ``dtensor``: ``AdamW(state_format=fmt)`` (default ``compile=True``) on the DTensors;
 * ``local compiled``: the same on the local shards;
@@ -62,7 +63,11 @@ def bench_rank(mesh, n: int, fmt: str, repeats: int) -> dict:
     comms = {"first_step": _collectives(opts["dtensor"].step), "later_step": _collectives(opts["dtensor"].step)}
     for name in CANDIDATES[1:]:
         opts[name].step()  # states, compilation
-    times = time_interleaved({name: opts[name].step for name in CANDIDATES}, repeats)
+    # the two compiled steps interleaved, every rank on the same one at a time; the eager one (about
+    # 50x longer, whose temporaries flush the caches) on its own afterwards
+    fast = ("dtensor", "local compiled")
+    times = time_interleaved({name: opts[name].step for name in fast}, repeats, sync=dist.barrier)
+    times.update(time_interleaved({"local eager": opts["local eager"].step}, max(1, repeats // 5), sync=dist.barrier))
     return {"median_ms": {name: median_ms(t) for name, t in times.items()}, "collectives": comms,
             "local_numel": sum(p.numel() for p in local)}
 
