@@ -321,7 +321,8 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
         const float div = scale == 0.0f ? 1.0f : scale;                                   \
         uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
         if (S##i##_BITS == 8) {                                                           \
-            _Pragma("GCC ivdep") /* codes never alias the tables */                       \
+            /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
+            _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = 0; j < bn; j++) {                                            \
                 uint8_t c;                                                                \
                 ENCODE(i, x[j] / div, c);                                                 \
@@ -330,7 +331,7 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
         } else {                                                                          \
             uint8_t *restrict bp = cp + b0 / 2;                                           \
             const int64_t pairs = bn / 2;                                                 \
-            _Pragma("GCC ivdep")                                                          \
+            _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = 0; j < pairs; j++) {                                         \
                 uint8_t lo, hi;                                                           \
                 ENCODE(i, x[2 * j] / div, lo);                                            \
