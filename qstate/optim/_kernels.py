@@ -36,7 +36,7 @@ Shape independence
 
 On CPU, kinds whose states are all ``QuantizedState`` s (8bit, 4bit, fp8)
 run a hand-written C kernel instead (:mod:`._cpu_kernel`): the same
-results bit for bit, one build per kind, about 4x faster than inductor's code
+results bit for bit, one build per kind, about 5x faster than inductor's code
 for them. :func:`run_fused` chooses.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
