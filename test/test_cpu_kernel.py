@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 
 import expecttest
 import pytest
@@ -97,6 +98,21 @@ def test_non_finite_gradients_match_the_inductor_kernel():
     for x, y in zip(*results):
         assert torch.equal(x, y) or torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))
     assert results[0][2].isnan().any()  # the NaN block's scale
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8"])
+def test_build_without_avx512_gives_the_same_bits(case, monkeypatch, tmp_path):
+    # the in-register lookups (AVX-512 VBMI) and the portable loops are two implementations: same bits
+    vector_ps, vector_states = _run(case, c_kernel=True)
+    monkeypatch.setattr(_cpu_kernel, "_CFLAGS", _cpu_kernel._CFLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(_cpu_kernel, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    ps, states = _run(case, c_kernel=True)
+    assert all(torch.equal(p, q) for p, q in zip(ps, vector_ps))
+    for group, ref_group in zip(states, vector_states):
+        for s, r in zip(group, ref_group):
+            assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
 
 
 def test_one_build_per_kind_not_per_shape():
