@@ -15,18 +15,22 @@
  *                                        256 values by code), and its scale divisor (448)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
+ *   UNIT                                 lcm of the block sizes: a row segment, whole blocks of
+ *                                        every state, buffered on the stack
  *
  * Semantics: exactly the compiled inductor kernel's (qstate/optim/_kernels.py):
  * the rule's math in float32 with float32 scalars ``h`` (in scalar_names order),
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
- * divisor 1), and each element encoded by the packed-table nearest-code lookup.
+ * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
+ * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Layout: ``rows`` rows of ``row_len`` elements; param/grad contiguous;
  * codes ``[rows, ceil(row_len * bits / 8)]`` (4-bit: element 2j in the low
  * nibble of byte j), scales ``[rows, ceil(row_len / bs)]``. Blocks never cross
- * rows. The work is split over (row, group of GROUP elements) items.
+ * rows. The work is split over (row, UNIT-element segment) items: decode + update per group,
+ * then absmax and encode per block, while the segment is in L1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -83,16 +87,23 @@ static inline float lerp(float a, float b, float w) {
 static inline float clampf(float m, float limit) { return m < -limit ? -limit : (m > limit ? limit : m); }
 static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
+/* The gradient the rule follows (_rules._gradient): unscaled by h[1] (grad_unscale, AMP), negated
+ * if MAXIMIZE. */
+static inline float gradient(float g, const float *restrict h) {
+    g = g * h[1];
+#if MAXIMIZE
+    g = -g;
+#endif
+    return g;
+}
+
 /* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. */
 static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
                          const float *restrict h) {
 #if RULE_ADAM
     /* h: lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound */
     const float lr = h[0], wd = h[5];
-    g = g * h[1];
-#if MAXIMIZE
-    g = -g;
-#endif
+    g = gradient(g, h);
 #if DECOUPLED
     p = p * (1.0f - lr * wd);
 #else
@@ -115,10 +126,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #elif RULE_LION
     /* h: lr, grad_unscale, beta1, beta2, weight_decay */
     const float lr = h[0], wd = h[4];
-    g = g * h[1];
-#if MAXIMIZE
-    g = -g;
-#endif
+    g = gradient(g, h);
     p = p * (1.0f - lr * wd);
     float direction = signf(lerp(*s0, g, 1.0f - h[2]));
     *s0 = lerp(*s0, g, 1.0f - h[3]);
@@ -126,10 +134,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #elif RULE_SGD
     /* h: lr, grad_unscale, momentum, weight_decay, buf_keep, grad_keep */
     const float lr = h[0];
-    g = g * h[1];
-#if MAXIMIZE
-    g = -g;
-#endif
+    g = gradient(g, h);
     g = g + h[3] * p;
 #if MOMENTUM
     float buf = *s0 * h[4] + g * h[5];
