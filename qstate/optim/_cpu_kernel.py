@@ -77,10 +77,6 @@ def cpu_kernel_enabled(enabled: bool):
         _ENABLED[0] = before
 
 
-def _rounding(entry: tuple) -> str:
-    return entry[4] if len(entry) > 4 else "nearest"
-
-
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -95,7 +91,7 @@ def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     for s in spec.states:
         if s[0] != "q" or not isinstance(get_format(s[1]), (MapFormat, Float8Format)):
             return False
-        if not get_codec(s[1], s[2], device).supports(_rounding(s)):
+        if not get_codec(s[1], s[2], device).supports(s[4]):
             return False
     sizes = [s[3] for s in spec.states]
     group = math.gcd(*sizes)
@@ -126,7 +122,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
         fp8 = not codec.lookup
         consts = {"BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
                   "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
-                  "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(_rounding(s) == "stochastic"),
+                  "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s[4] == "stochastic"),
                   "N": 256 if fp8 else codec.qmap.numel(), "FP8": int(fp8), "MAXCODE": f"{codec.fmt.max_code!r}f"}
         lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
     lines.append("#define FOR_STATES(X) " + " ".join(f"X({i})" for i in range(len(spec.states))))
