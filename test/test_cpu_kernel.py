@@ -115,13 +115,12 @@ def test_build_without_avx512_gives_the_same_bits(case, monkeypatch, tmp_path):
             assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
 
 
-def test_one_build_per_kind_not_per_shape():
+def test_one_build_per_kind_not_per_shape(monkeypatch):
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})  # count this test's loads (the builds are on disk)
     for case in CASES:
-        _run(case, c_kernel=True, steps=1)
-    kinds = [k for k in _cpu_kernel.built_kinds() if k.startswith(("adam_", "lion_", "sgd_"))]
-    assert len(kinds) == len(set(kinds))
-    # the four cases are four kinds, whatever the shapes
-    assert sum(k.startswith("adam_") for k in kinds) >= 2 and sum(k.startswith("lion_") for k in kinds) >= 1
+        _run(case, c_kernel=True, steps=1)  # SHAPES: six shapes per case
+    # each case is one kind, whatever the shapes
+    assert len(_cpu_kernel.built_kinds()) == len(CASES)
 
 
 def test_bf16_stochastic_rounding_of_params_keeps_the_inductor_kernel():
