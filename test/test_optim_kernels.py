@@ -135,3 +135,35 @@ def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes()
     odd = qstate.QuantizedState(fp8.codes, fp8.scale, None, format="fp8", signed=True, block_size=256,
                                 row_len=64, shape=(8, 64), dtype=torch.float32, rounding="stochastic")
     assert fusable(p, g, [fp8]) and not fusable(p, g, [odd])
+
+
+def test_a_state_map_written_in_place_is_no_longer_fusable():
+    # fusable() remembers a map it compared equal, until the map's version counter moves
+    from qstate.optim._kernels import fusable
+
+    p, g = torch.randn(8, 256), torch.randn(8, 256)
+    m = qstate.zeros_like(p, "8bit")
+    assert fusable(p, g, [m]) and fusable(p, g, [m])
+    m.qmap[3] += 1.0
+    assert not fusable(p, g, [m])
+    m.qmap[3] -= 1.0
+    assert fusable(p, g, [m])
+    m.qmap.detach()[5] = 7.0  # a write through a view moves the same counter
+    assert not fusable(p, g, [m])
+
+
+@pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-4, dtype=torch.float64), torch.tensor(0.1)])
+@pytest.mark.parametrize("unscale", [1.0, torch.tensor(0.25)])
+def test_host_scalars_are_the_kernel_vector_values(lr, unscale):
+    # the C kernel takes the scalars as floats (F._Scalars.host); converted to float32 they are
+    # exactly the vector the compiled kernels take, built on the device from tensor lr / unscale
+    rule = F.RULES["adam"]
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    s = F._Scalars(rule, group, lr, unscale)
+    for step in (1, 7, 1000):
+        f = s.floats(step)
+        parts = [torch.as_tensor(s.given_on(n, "cpu"), dtype=torch.float32).reshape(1) for n in ("lr", "grad_unscale")]
+        parts.append(torch.tensor([f[n] for n in rule.scalar_names[2:]], dtype=torch.float32))
+        want = torch.cat(parts)
+        assert torch.equal(s.hyper(step, torch.device("cpu")), want)
+        assert torch.equal(torch.tensor(s.host(step), dtype=torch.float32), want)

@@ -26,18 +26,25 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     """
     from torch.distributed.tensor import DTensor
 
-    named = [("param", param), ("grad", grad)] + [(f"states[{i}]", s) for i, s in enumerate(states)]
-    for name, t in named:
+    # checked every step: names are built only for the error, and identity settles most compares
+    mesh, placements, shape = getattr(param, "device_mesh", None), getattr(param, "placements", None), param.shape
+    for i, t in enumerate((param, grad, *states)):
         if not isinstance(t, DTensor):
-            return TypeError(f"{name} is a {type(t).__name__}, expected a DTensor")
-        if t.device_mesh != param.device_mesh or t.placements != param.placements or t.shape != param.shape:
+            return TypeError(f"{_name(i)} is a {type(t).__name__}, expected a DTensor")
+        if ((t.device_mesh is not mesh and t.device_mesh != mesh)
+                or (t.placements is not placements and t.placements != placements) or t.shape != shape):
             return ValueError(
-                f"{name} must match param (shape {tuple(param.shape)}, placements {param.placements} on "
-                f"{param.device_mesh}), got shape {tuple(t.shape)}, placements {t.placements} on {t.device_mesh}"
+                f"{_name(i)} must match param (shape {tuple(shape)}, placements {placements} on "
+                f"{mesh}), got shape {tuple(t.shape)}, placements {t.placements} on {t.device_mesh}"
             )
     if any(pl.is_partial() for pl in param.placements):
         return ValueError(f"Partial placements {param.placements} are not shards of the update; redistribute first")
     return None
+
+
+def _name(i: int) -> str:
+    """The argument name of tensor ``i`` of ``(param, grad, *states)``."""
+    return "param" if i == 0 else "grad" if i == 1 else f"states[{i - 2}]"
 
 
 def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:

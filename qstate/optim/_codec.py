@@ -28,6 +28,7 @@ bit for bit for both modes.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -158,6 +159,8 @@ class Codec:
         self.tables = [t.to(self.device) for t in tables]
         for t in self.tables:
             torch._dynamo.mark_static(t)
+        #: state maps found equal to ``qmap``: id -> (weak reference, version counter then)
+        self._matched: dict[int, tuple[weakref.ref, int]] = {}
 
     @property
     def key(self) -> tuple:
@@ -197,7 +200,18 @@ class Codec:
         """Whether a state's ``qmap`` is this codec's map (a state may carry its own)."""
         if (qmap is None) != (self.qmap is None):
             return False
-        return qmap is None or (qmap.shape == self.qmap.shape and torch.equal(qmap.detach().cpu(), self.qmap))
+        if qmap is None:
+            return True
+        # a map compared before and not written since (same version counter) is still equal: each
+        # step checks every state, and the comparison is several ops
+        seen = self._matched.get(id(qmap))
+        if seen is not None and seen[0]() is qmap and seen[1] == qmap._version:
+            return True
+        same = qmap.shape == self.qmap.shape and torch.equal(qmap.detach().cpu(), self.qmap)
+        if same:
+            key = id(qmap)
+            self._matched[key] = (weakref.ref(qmap, lambda _: self._matched.pop(key, None)), qmap._version)
+        return same
 
 
 _CODECS: dict[tuple, Codec] = {}

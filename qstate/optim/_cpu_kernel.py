@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor
@@ -82,7 +82,21 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     """Whether the C kernel runs ``spec`` with gradients of ``grad_dtype`` on ``device`` (module docstring)."""
-    if not _ENABLED[0] or device.type != "cpu" or spec.rule not in _RULE_MACROS or not spec.states:
+    if not _ENABLED[0] or device.type != "cpu":
+        return False
+    key = (spec, grad_dtype)
+    verdict = _SUPPORTED.get(key)
+    if verdict is None:
+        verdict = _SUPPORTED[key] = _supports_kind(spec, grad_dtype)
+    return verdict
+
+
+#: (kernel kind, gradient dtype) -> whether the C kernel takes it (a function of the kind: asked every step)
+_SUPPORTED: dict = {}
+
+
+def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
+    if spec.rule not in _RULE_MACROS or not spec.states:
         return False
     if spec.param_dtype not in _DTYPES or grad_dtype not in _DTYPES:
         return False
@@ -91,7 +105,7 @@ def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     for s in spec.states:
         if s[0] != "q" or not isinstance(get_format(s[1]), (MapFormat, Float8Format)):
             return False
-        if not get_codec(s[1], s[2], device).supports(s[4]):
+        if not get_codec(s[1], s[2], "cpu").supports(s[4]):
             return False
     sizes = [s[3] for s in spec.states]
     group = math.gcd(*sizes)
@@ -186,8 +200,11 @@ def built_kinds() -> list[str]:
     return sorted(_tag(*key) for key in _LIBS)
 
 
-def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor) -> None:
-    """One fused update of ``p`` and its quantized ``states`` (the caller checked :func:`supports` and layouts)."""
+def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]]) -> None:
+    """One fused update of ``p`` and its quantized ``states`` (the caller checked :func:`supports` and layouts).
+
+    ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
+    """
     key = (spec, g.dtype)
     dll = _LIBS.get(key)
     if dll is None:
@@ -201,8 +218,12 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor) -> 
         else:  # fp8: the values of the 256 codes (decode); no encode table
             slot.qmap, slot.table = _FP8_VALUES.data_ptr(), 0
         slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
-    h = hyper if hyper.dtype == torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
+    if isinstance(hyper, Tensor):
+        hyper = hyper if hyper.dtype == torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
+        h = hyper.data_ptr()
+    else:
+        h = (ctypes.c_float * len(hyper))(*hyper)
     q0 = states[0]
     threads = torch.get_num_threads() if p.numel() >= 65536 else 1
-    dll.qstate_update(p.data_ptr(), g.data_ptr(), arr, h.data_ptr(), q0.rows, q0.row_len, threads)
+    dll.qstate_update(p.data_ptr(), g.data_ptr(), arr, h, q0.rows, q0.row_len, threads)
     torch.autograd.graph.increment_version(p)

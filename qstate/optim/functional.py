@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
 from ..dtensor_rules._fused_ops import layout_mismatch
+from . import _cpu_kernel
 from ._fused_op import FusedCall, call_key, eager_call, fused_update
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
@@ -70,9 +71,11 @@ class _Scalars:
     def __init__(self, rule: UpdateRule, group: dict, lr: Scalar, grad_unscale: Scalar = 1.0):
         self.rule, self.group = rule, group
         self.given = {"lr": lr, "grad_unscale": grad_unscale}
+        self._tensors = any(isinstance(v, Tensor) for v in self.given.values())
         self._floats: dict[int, dict] = {}
         self._on: dict[tuple, Tensor] = {}
         self._hyper: dict[tuple, Tensor] = {}
+        self._host: dict[int, tuple[float, ...]] = {}
 
     def floats(self, step: int) -> dict:
         if step not in self._floats:
@@ -94,10 +97,22 @@ class _Scalars:
         h.update({n: self.given_on(n, device) for n in self._CALLER})
         return h
 
+    def host(self, step: int) -> tuple[float, ...]:
+        """The scalars as Python floats that convert to :meth:`hyper`'s float32 values (the C
+        kernel's input: no tensors to build per step; a tensor ``lr`` is read once)."""
+        if step not in self._host:
+            f = self.floats(step)
+            given = [float(v.detach().to(torch.float32)) if isinstance(v, Tensor) else v
+                     for v in (self.given[n] for n in self._CALLER)]
+            self._host[step] = (*given, *(f[n] for n in self.rule.scalar_names[len(self._CALLER):]))
+        return self._host[step]
+
     def hyper(self, step: int, device: torch.device) -> Tensor:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
         key = (step, device)
-        if key not in self._hyper:
+        if key not in self._hyper and device.type == "cpu" and not self._tensors:  # one op instead of five
+            self._hyper[key] = torch.tensor(self.host(step), dtype=torch.float32)
+        elif key not in self._hyper:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
             f = self.floats(step)
             parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
                      for n in self._CALLER]
@@ -153,7 +168,10 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         small = _small_and_plain(p, st)
         if compile and not small and fusable(p, g, st):
             spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
-            run_fused(spec, p, g, st, scalars.hyper(step, p.device))
+            if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
+                _cpu_kernel.run(spec, p, g, st, scalars.host(step))
+            else:
+                run_fused(spec, p, g, st, scalars.hyper(step, p.device))
         elif compile and not sr and _one_layout(p, g, st):
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
             # compiled kernel, or for small plain states the eager math with the eager scalars.
