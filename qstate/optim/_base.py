@@ -319,7 +319,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             if params:
                 work.append((gi, group, params, grads, states, steps, sr_devices))
         for gi, group, params, grads, states, steps, sr_devices in work:
-            step = 1 + max(int(s) for s in steps)  # the step being taken (the counts are CPU tensors)
+            # the step being taken (the counts are CPU tensors) keys the rounding stream
+            step = 1 + max(int(s) for s in steps) if sr_devices else 0
             with self._stream(sr_devices, group["seed"], gi, step):
                 F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
                                lr=group["lr"], compile=self.compile,
