@@ -37,7 +37,17 @@ def _sgd_4bit_nesterov(ps, gs, states, step):
           compile=True)
 
 
+def _adam_amsgrad(ps, gs, states, step):
+    F.adam(ps, gs, states[0], states[1], [step] * len(ps), max_exp_avg_sqs=states[2], lr=1e-2, beta1=0.8,
+           beta2=0.99, eps=1e-6, weight_decay=0.01, amsgrad=True, maximize=True, compile=True)
+
+
 SR = "stochastic"
+#: plain states (``torch.zeros_like`` in this dtype) instead of a quantized format
+PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: shapes of the plain-state cases: above ``functional.SMALL_PLAIN_NUMEL``, so that with the C kernel
+#: off the inductor kernel runs them (smaller plain states would run the eager math)
+PLAIN_SHAPES = [(300, 301), (70_001,), (3, 130, 171)]
 
 #: name -> (update, param dtype, per state (format, signed, block size[, rounding])); mixed block sizes,
 #: bf16 params, stochastic rounding (as the optimizers' default for 4-bit first moments)
@@ -48,21 +58,28 @@ CASES = {
     "lion_8bit_block_100_stochastic": (_lion_8bit, torch.float32, [("8bit", True, 100, SR)]),
     "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
     "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
+    "adamw_fp32_states": (_adamw_8bit, torch.float32, [("fp32", True, 0), ("fp32", False, 0)]),
+    "adam_amsgrad_bf16_states_bf16": (_adam_amsgrad, torch.bfloat16,
+                                      [("bf16", True, 0), ("bf16", False, 0), ("bf16", False, 0)]),
+    "lion_fp32_states_bf16": (_lion_8bit, torch.bfloat16, [("fp32", True, 0)]),
+    "sgd_nesterov_fp32_states": (_sgd_4bit_nesterov, torch.float32, [("fp32", True, 0)]),
 }
 
 
 def _run(case: str, c_kernel: bool, steps: int = 3):
     update, dtype, kinds = CASES[case]
     gen = torch.Generator().manual_seed(0)
-    ps = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
-    states = [[qstate.zeros_like(p, kind[0], signed=kind[1], block_size=kind[2], dtype=torch.float32,
+    shapes = PLAIN_SHAPES if kinds[0][0] in PLAIN else SHAPES
+    ps = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    states = [[torch.zeros_like(p, dtype=PLAIN[kind[0]]) if kind[0] in PLAIN else
+               qstate.zeros_like(p, kind[0], signed=kind[1], block_size=kind[2], dtype=torch.float32,
                                  rounding=kind[3] if len(kind) > 3 else "nearest") for p in ps]
               for kind in kinds]
     with cpu_kernel_enabled(c_kernel):
         for step in range(1, steps + 1):
             # tiny and huge magnitudes in one block: codes across the whole map
             gs = [(torch.randn(s, generator=gen) * 10 ** (8 * torch.rand(s, generator=gen) - 4)).to(dtype)
-                  for s in SHAPES]
+                  for s in shapes]
             update(ps, gs, states, step)
     return ps, states
 
@@ -80,7 +97,34 @@ def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
         assert torch.equal(p, q)
     for group, ref_group in zip(states, ref_states):
         for s, r in zip(group, ref_group):
-            assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
+            assert torch.equal(*_parts(s, r))
+
+
+def _parts(s, r) -> tuple:
+    """What must be equal in states ``s`` and ``r``: codes and scales, or the plain values."""
+    if isinstance(s, qstate.QuantizedState):
+        return torch.cat([s.codes.flatten().float(), s.scale.flatten()]), torch.cat([r.codes.flatten().float(),
+                                                                                  r.scale.flatten()])
+    return s, r
+
+
+def test_small_plain_states_run_the_c_kernel_with_its_results():
+    # below SMALL_PLAIN_NUMEL a plain kind the C kernel takes runs it (not the eager math): the
+    # update is elementwise, so a 1024-element parameter gets the first 1024 elements of the
+    # inductor kernel's update of a large parameter holding the same values
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(70_000, generator=gen)
+    grads = [torch.randn(70_000, generator=gen) for _ in range(3)]
+    results = []
+    for c_kernel, n in ((True, 1024), (False, 70_000)):
+        p = big[:n].clone()
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        with cpu_kernel_enabled(c_kernel):
+            for step, g in enumerate(grads, 1):
+                _adamw_8bit([p], [g[:n].clone()], [[m], [v]], step)
+        results.append([t[:1024] for t in (p, m, v)])
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
 
 
 def test_non_finite_gradients_match_the_inductor_kernel():
@@ -101,7 +145,8 @@ def test_non_finite_gradients_match_the_inductor_kernel():
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
-@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8"])
+@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8",
+                                  "adam_amsgrad_bf16_states_bf16"])
 def test_build_without_avx512_gives_the_same_bits(case, monkeypatch, tmp_path):
     # the in-register lookups (AVX-512 VBMI) and the portable loops are two implementations: same bits
     vector_ps, vector_states = _run(case, c_kernel=True)
@@ -112,13 +157,13 @@ def test_build_without_avx512_gives_the_same_bits(case, monkeypatch, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(ps, vector_ps))
     for group, ref_group in zip(states, vector_states):
         for s, r in zip(group, ref_group):
-            assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale)
+            assert torch.equal(*_parts(s, r))
 
 
 def test_one_build_per_kind_not_per_shape(monkeypatch):
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})  # count this test's loads (the builds are on disk)
     for case in CASES:
-        _run(case, c_kernel=True, steps=1)  # SHAPES: six shapes per case
+        _run(case, c_kernel=True, steps=1)  # several shapes per case
     # each case is one kind, whatever the shapes
     assert len(_cpu_kernel.built_kinds()) == len(CASES)
 

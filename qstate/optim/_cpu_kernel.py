@@ -53,6 +53,8 @@ _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
 _FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
 #: largest row segment (lcm of the block sizes) the kernel buffers on its stack, per state
 _MAX_UNIT = 4096
+#: the row segment (work item) of a kind whose states are all plain
+_PLAIN_UNIT = 256
 
 
 class _QState(ctypes.Structure):
@@ -102,6 +104,8 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
         return False
     if spec.stochastic_round and spec.param_dtype == torch.bfloat16:
         return False
+    if all(s[0] == "plain" for s in spec.states):
+        return all(s[1] in _DTYPES for s in spec.states) and _compiler() is not None
     for s in spec.states:
         if s[0] != "q" or not isinstance(get_format(s[1]), (MapFormat, Float8Format)):
             return False
@@ -128,13 +132,18 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
     lines.append(f"#define NSTATES {len(spec.states)}")
-    sizes = [s[3] for s in spec.states]
+    sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
     lines.append(f"#define UNIT {math.lcm(*sizes)}")
     for i, s in enumerate(spec.states):
+        if s[0] == "plain":
+            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "BITS": 32, "BS": _PLAIN_UNIT, "SIGNED": 1,
+                      "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0, "MAXCODE": "1.0f"}
+            lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
+            continue
         codec = get_codec(s[1], s[2], "cpu")
         fp8 = not codec.lookup
-        consts = {"BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
+        consts = {"PLAIN": 0, "BF16": 0, "BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
                   "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
                   "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s[4] == "stochastic"),
                   "N": 256 if fp8 else codec.qmap.numel(), "FP8": int(fp8), "MAXCODE": f"{codec.fmt.max_code!r}f"}
@@ -210,7 +219,13 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     if dll is None:
         dll = _LIBS[key] = _build(spec, g.dtype)
     arr = (_QState * len(states))()
-    for slot, s in zip(arr, states):
+    if spec.states[0][0] == "plain":  # one row of values, read and written in place
+        for slot, s in zip(arr, states):
+            slot.codes, slot.code_stride = s.data_ptr(), p.numel()
+        rows, row_len = 1, p.numel()
+    else:
+        rows, row_len = states[0].rows, states[0].row_len
+    for slot, s in zip(arr, states if spec.states[0][0] == "q" else ()):
         codec = get_codec(s.format, s.signed, p.device)
         slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
         if codec.lookup:
@@ -223,7 +238,6 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
         h = hyper.data_ptr()
     else:
         h = (ctypes.c_float * len(hyper))(*hyper)
-    q0 = states[0]
     threads = torch.get_num_threads() if p.numel() >= 65536 else 1
-    dll.qstate_update(p.data_ptr(), g.data_ptr(), arr, h, q0.rows, q0.row_len, threads)
+    dll.qstate_update(p.data_ptr(), g.data_ptr(), arr, h, rows, row_len, threads)
     torch.autograd.graph.increment_version(p)

@@ -14,9 +14,11 @@ Paths
 * ``compile=True`` and a plain parameter whose states are all plain tensors
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
-  ``_kernels.py``), except parameters with plain states and fewer than
-  :data:`SMALL_PLAIN_NUMEL` elements (biases, norms), which run eagerly:
-  faster than a kernel call for them, and nothing to compile.
+  ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
+  takes), except parameters with plain states and fewer than
+  :data:`SMALL_PLAIN_NUMEL` elements (biases, norms) of kinds the C kernel
+  does not take, which run eagerly: faster than a compiled kernel's call for
+  them, and nothing to compile.
 * ``compile=True`` and a DTensor parameter whose gradient and states share its
   shape, mesh and (non-Partial) placements, without stochastic rounding: the
   operator ``qstate::fused_update``, which DTensor runs shard by shard with
@@ -165,9 +167,10 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         step = _step_of(s)
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
-        small = _small_and_plain(p, st)
+        spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
+        # small plain states run eagerly, unless the C kernel takes their kind (its call costs less)
+        small = _small_and_plain(p, st) and not (compile and _cpu_kernel.supports(spec, p.device, g.dtype))
         if compile and not small and fusable(p, g, st):
-            spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
             if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
                 _cpu_kernel.run(spec, p, g, st, scalars.host(step))
             else:
@@ -188,7 +191,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
 #: on CPU, 0.05 ms per parameter eagerly vs 0.15 ms through a compiled kernel's call overhead at
-#: 4096 elements (even at 65536), and no kernel to compile for them
+#: 4096 elements (even at 65536), and no kernel to compile for them. Kinds the C kernel takes
+#: (``_cpu_kernel.supports``: on CPU, float32/bfloat16 states) run it at every size: about 0.01 ms
 SMALL_PLAIN_NUMEL = 65536
 
 

@@ -13,6 +13,8 @@
  *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
+ *   S<i>_PLAIN, S<i>_BF16                a plain state (``codes``: its float32, or bfloat16, values;
+ *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
  *   UNIT                                 lcm of the block sizes: a row segment, whole blocks of
@@ -26,7 +28,10 @@
  * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
- * Layout: ``rows`` rows of ``row_len`` elements; param/grad contiguous;
+ * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
+ * kernel's plain-state semantics; a kind's states are all plain or all quantized.
+ *
+ * Layout: ``rows`` rows of ``row_len`` elements; param/grad (and plain states) contiguous;
  * codes ``[rows, ceil(row_len * bits / 8)]`` (4-bit: element 2j in the low
  * nibble of byte j), scales ``[rows, ceil(row_len / bs)]``. Blocks never cross
  * rows. The work is split over (row, UNIT-element segment) items: decode + update per group,
@@ -56,14 +61,17 @@ static inline float u2f(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
 
 static inline float bf16_to_f(uint16_t v) { return u2f((uint32_t)v << 16); }
 
+/* float -> bfloat16 bits, rounded to nearest even (a NaN stays a quiet NaN) */
+static inline uint16_t f_to_bf16(float x) {
+    uint32_t u = f2u(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 #if PARAM_BF16
 typedef uint16_t param_t;
 static inline float load_p(param_t v) { return bf16_to_f(v); }
-static inline param_t store_p(float x) {
-    uint32_t u = f2u(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (param_t)((u >> 16) | 0x40); /* quiet NaN */
-    return (param_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+static inline param_t store_p(float x) { return f_to_bf16(x); }
 #else
 typedef float param_t;
 static inline float load_p(param_t v) { return v; }
@@ -210,7 +218,9 @@ static inline uint8_t fp8_code(float y, int is_signed) {
 
 #define DECLARE_STATE(i)                                                                  \
     const float *restrict qmap##i = st[i].qmap;                                           \
-    const int32_t *restrict tab##i = st[i].table;
+    const int32_t *restrict tab##i = st[i].table;                                         \
+    float *restrict pf##i = (float *)st[i].codes + (S##i##_PLAIN ? r * st[i].code_stride : 0); \
+    uint16_t *restrict pb##i = (uint16_t *)st[i].codes + (S##i##_PLAIN ? r * st[i].code_stride : 0);
 
 /* Byte planes of a 256-entry float table: plane k holds byte k of every entry (for decode8). */
 typedef struct {
@@ -304,9 +314,10 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 /* decode n <= GROUP codes of state i at column col of row r into vals<i>[] */
 #define DECODE_GROUP(i)                                                                   \
     {                                                                                     \
-        const float sc = st[i].scale[r * st[i].scale_stride + col / S##i##_BS];           \
+        const float sc = S##i##_PLAIN ? 0.0f : st[i].scale[r * st[i].scale_stride + col / S##i##_BS]; \
         const uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                 \
-        if (S##i##_BITS == 8) {                                                           \
+        if (S##i##_PLAIN) {                                                               \
+        } else if (S##i##_BITS == 8) {                                                    \
             decode8(cp + col, n, qmap##i, planes + (i), sc, vals##i);                     \
         } else {                                                                          \
             decode4(cp + col / 2, n, qmap##i, sc, vals##i);                               \
@@ -315,12 +326,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 #define MAKE_PLANES(i) if (S##i##_BITS == 8) make_planes(st[i].qmap, planes + (i));
 #define DECLARE_VALS(i) float vals##i[GROUP + 1];
-#define LOAD_STATE(i) s##i = vals##i[j];
-/* new state value into the segment buffer; |value| as bits into the group's running max (integer order
- * is float order for |x|, and a NaN is above every number, so the max propagates NaN as torch.amax) */
+#define LOAD_STATE(i) \
+    s##i = S##i##_PLAIN ? (S##i##_BF16 ? bf16_to_f(pb##i[col + j]) : pf##i[col + j]) : vals##i[j];
+/* a plain state's new value in place; a quantized state's into the segment buffer, and |value| as bits
+ * into the group's running max (integer order is float order for |x|, and a NaN is above every number,
+ * so the max propagates NaN as torch.amax) */
 #define STORE_STATE(i)                                                                    \
-    newv##i[col - c0 + j] = s##i;                                                         \
-    {                                                                                     \
+    if (S##i##_PLAIN) {                                                                   \
+        if (S##i##_BF16) pb##i[col + j] = f_to_bf16(s##i);                                \
+        else pf##i[col + j] = s##i;                                                       \
+    } else {                                                                              \
+        newv##i[col - c0 + j] = s##i;                                                     \
         const uint32_t a_ = f2u(s##i) & 0x7fffffffu;                                      \
         gmax##i = a_ > gmax##i ? a_ : gmax##i;                                            \
     }
@@ -330,7 +346,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 /* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
 #define ENCODE_BLOCKS(i)                                                                  \
-    for (int64_t b0 = c0; b0 < c0 + len; b0 += S##i##_BS) {                               \
+    for (int64_t b0 = c0; !S##i##_PLAIN && b0 < c0 + len; b0 += S##i##_BS) {              \
         const int64_t bn = (c0 + len - b0) < S##i##_BS ? (c0 + len - b0) : S##i##_BS;     \
         const float *restrict x = newv##i + (b0 - c0);                          \
         /* the block's absmax: the max of its groups' (GROUP divides the block size) */   \
