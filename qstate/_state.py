@@ -200,9 +200,20 @@ class QuantizedState(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _ops_dispatch()(func, types, args, kwargs or {})
+
+
+def _ops_dispatch():
+    """:func:`qstate.ops.dispatch` (imported on first use: ``qstate.ops`` imports this module)."""
+    global _DISPATCH
+    if _DISPATCH is None:
         from .ops import dispatch
 
-        return dispatch(func, types, args, kwargs or {})
+        _DISPATCH = dispatch
+    return _DISPATCH
+
+
+_DISPATCH = None
 
 
 def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:

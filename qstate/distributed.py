@@ -29,12 +29,25 @@ __all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "stat
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 
 
+def _dtensor_type() -> Optional[type]:
+    """``DTensor``, or ``None`` in a torch built without distributed (imported once: asked every step)."""
+    global _DTENSOR
+    if _DTENSOR is False:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:
+            _DTENSOR = None
+        else:
+            _DTENSOR = DTensor
+    return _DTENSOR
+
+
+_DTENSOR: Any = False  # not looked up yet
+
+
 def is_dtensor(x: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(x, DTensor)
+    cls = _dtensor_type()
+    return cls is not None and isinstance(x, cls)
 
 
 def local_of(t: Tensor) -> Tensor:
@@ -54,9 +67,19 @@ def local_nbytes(state: Tensor) -> int:
 
 def is_quantized_state(t: Tensor) -> bool:
     """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
-    from ._state import QuantizedState
+    return isinstance(local_of(t), _quantized_state_type())
 
-    return isinstance(local_of(t), QuantizedState)
+
+def _quantized_state_type() -> type:
+    global _QUANTIZED_STATE
+    if _QUANTIZED_STATE is None:
+        from ._state import QuantizedState  # not at import time: _state imports this module
+
+        _QUANTIZED_STATE = QuantizedState
+    return _QUANTIZED_STATE
+
+
+_QUANTIZED_STATE: Optional[type] = None
 
 
 def state_kind(t: Tensor) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from qstate._library import fused_update
+from qstate.distributed import _dtensor_type
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "fused_update_handler", "layout_mismatch"]
@@ -24,8 +25,7 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     It can when ``param``, ``grad`` and every state are DTensors of one shape, mesh and
     placements, none of them ``Partial``.
     """
-    from torch.distributed.tensor import DTensor
-
+    DTensor = _dtensor_type()
     # checked every step: names are built only for the error, and identity settles most compares
     mesh, placements, shape = getattr(param, "device_mesh", None), getattr(param, "placements", None), param.shape
     for i, t in enumerate((param, grad, *states)):

@@ -242,29 +242,29 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
     """Whether the fused kernels can run this update (plain tensors / plain QuantizedStates)."""
     if type(p) not in (Tensor, torch.nn.Parameter) or type(g) is not Tensor:
         return False
-    if not (p.is_contiguous() and g.is_contiguous()) or g.shape != p.shape or g.device != p.device:
+    device, shape = p.device, p.shape
+    if not (p.is_contiguous() and g.is_contiguous()) or g.shape != shape or g.device != device:
         return False
-    for s in states:
-        if type(s) is QuantizedState:
-            if s.device != p.device or s.rows * s.row_len != p.numel() or s.dtype != torch.float32:
-                return False
-            if not (s.codes.is_contiguous() and s.scale.is_contiguous()):
-                return False
-            codec = get_codec(s.format, s.signed, p.device)
-            if not (codec.matches(s.qmap) and codec.supports(s.rounding)):
-                return False
-        elif type(s) is Tensor:
-            if s.device != p.device or not s.is_contiguous() or s.shape != p.shape:
-                return False
-        else:
+    if not states:
+        return True
+    kind = type(states[0])
+    if kind is Tensor:
+        return all(type(s) is Tensor and s.device == device and s.shape == shape and s.is_contiguous()
+                   for s in states)
+    if kind is not QuantizedState:
+        return False
+    layout = (states[0].rows, states[0].row_len)
+    if layout[0] * layout[1] != p.numel():
+        return False
+    for s in states:  # one row layout, one block space
+        if type(s) is not QuantizedState or s.device != device or s.dtype != torch.float32:
             return False
-    kinds = {type(s) for s in states}
-    if len(kinds) > 1:
-        return False
-    if kinds == {QuantizedState}:  # one row layout, one block space
-        layouts = {(s.rows, s.row_len) for s in states}
-        return len(layouts) == 1 and _block_unit([s.block_size for s in states]) <= _MAX_UNIT
-    return True
+        if (s.rows, s.row_len) != layout or not (s.codes.is_contiguous() and s.scale.is_contiguous()):
+            return False
+        codec = get_codec(s.format, s.signed, device)
+        if not (codec.matches(s.qmap) and codec.supports(s.rounding)):
+            return False
+    return _block_unit([s.block_size for s in states]) <= _MAX_UNIT
 
 
 _LIMITS: dict[tuple, Tensor] = {}

@@ -42,6 +42,7 @@ incremented in place as in ``torch.optim``'s functional API, or Python ints
 
 from __future__ import annotations
 
+import array
 from typing import Optional, Sequence, Union
 
 import torch
@@ -113,7 +114,7 @@ class _Scalars:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
         key = (step, device)
         if key not in self._hyper and device.type == "cpu" and not self._tensors:  # one op instead of five
-            self._hyper[key] = torch.tensor(self.host(step), dtype=torch.float32)
+            self._hyper[key] = torch.frombuffer(array.array("f", self.host(step)), dtype=torch.float32)
         elif key not in self._hyper:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
             f = self.floats(step)
             parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
@@ -168,10 +169,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         step = _step_of(s)
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
-        spec = KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in st), p.device.type)
-        # small plain states run eagerly, unless the C kernel takes their kind (its call costs less)
-        small = _small_and_plain(p, st) and not (compile and _cpu_kernel.supports(spec, p.device, g.dtype))
+        small = _small_and_plain(p, st)
+        if small and compile:  # small plain states run eagerly, unless the C kernel takes their kind
+            small = not _cpu_kernel.supports(_spec(rule, static, p, st, sr), p.device, g.dtype)
         if compile and not small and fusable(p, g, st):
+            spec = _spec(rule, static, p, st, sr)
             if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
                 _cpu_kernel.run(spec, p, g, st, scalars.host(step))
             else:
@@ -188,6 +190,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             fused_update(p, g, st, hyper, call_key(call))
         else:
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+
+
+def _spec(rule: UpdateRule, static: tuple, p: Tensor, states: Sequence[Tensor], sr: bool) -> KernelSpec:
+    """The kernel kind of this update (a DTensor's states count as plain: only asked of plain ones)."""
+    return KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in states), p.device.type)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
