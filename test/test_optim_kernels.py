@@ -168,3 +168,13 @@ def test_host_scalars_are_the_kernel_vector_values(lr, unscale):
         want = torch.cat(parts)
         assert torch.equal(s.hyper(step, torch.device("cpu")), want)
         assert torch.equal(torch.tensor(s.host(step), dtype=torch.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 255, 2**24 - 1, 2**24, 2**53])
+def test_step_counts_advance_as_an_in_place_add(dtype, start):
+    # F._step_of advances a step tensor with a fill: the value `s += 1` gives, however it rounds
+    s, ref = torch.tensor(start, dtype=dtype), torch.tensor(start, dtype=dtype)
+    for _ in range(3):
+        ref += 1
+        assert F._step_of(s) == int(ref.item()) and torch.equal(s, ref)

@@ -126,10 +126,9 @@ class _Scalars:
 
 
 def _step_of(s: Union[int, Tensor]) -> int:
-    if isinstance(s, Tensor):  # s += 1, as one read and a fill (a quarter of an add's dispatch cost)
-        step = int(s.item()) + 1
-        s.fill_(step)
-        return int(s.item()) if s.is_floating_point() and step > 2**24 else step
+    if isinstance(s, Tensor):  # s += 1 as a read and a fill (cheaper than an add's dispatch), same value
+        s.fill_(int(s.item()) + 1)
+        return int(s.item())
     return int(s)
 
 
@@ -180,7 +179,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
                 run_fused(spec, p, g, st, scalars.hyper(step, p.device))
         elif compile and not sr and _one_layout(p, g, st):
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
-            # compiled kernel, or for small plain states the eager math with the eager scalars.
+            # compiled (or C) kernel, or for small plain states the C kernel does not take the
+            # eager math with the eager scalars (as for a plain tensor).
             # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
             # path draws from the positional stream of the DTensor rules (independent shards).
             if small:
