@@ -3,7 +3,8 @@
 The model has 6 distinct weight shapes that every 8-bit optimizer here
 quantizes (>= 4096 elements, a multiple of 256; one 4-D conv weight) and 6
 distinct 1-D shapes with plain states. qstate compiles one kernel per kernel
-kind whatever the shapes (on CPU a C kernel for 8bit/4bit/fp8 states);
+kind whatever the shapes (on CPU a C kernel: one for the quantized states, one for the
+plain ones);
 torchao's AdamW8bit compiles one graph per shape.
 Each candidate runs in a fresh process with an empty compile cache, so its
 first step includes all of its compilation.
