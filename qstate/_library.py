@@ -5,20 +5,34 @@ math, and its handlers by :mod:`qstate.ops` (QuantizedState) and
 :mod:`qstate.dtensor_rules` (DTensor), so those packages can name the op
 without importing the optimizers.
 
-* ``fused_update(param, grad, states, hyper, kind)``: one optimizer update of
-  ``param`` and its ``states`` in place (kernels: :mod:`qstate.optim._fused_op`).
-  ``hyper`` is the update rule's scalar vector, ``kind`` names the rule, its
-  static flags, stochastic rounding and compilation.
+* ``fused_update(params, grads, states, hyper, kind)``: one optimizer update of
+  each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._fused_op`),
+  as torch's ``_fused_adamw_`` takes lists: one call (one DTensor dispatch) per
+  step and parameter group, not per parameter. ``states`` is flat, the same
+  number per parameter (:func:`states_per_param`): ``params[i]``'s are
+  ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
+  (shared: one step count), ``kind`` names the rule, its static flags,
+  stochastic rounding and compilation.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LIBRARY", "fused_update"]
+from typing import Sequence
+
+__all__ = ["LIBRARY", "fused_update", "states_per_param"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
-LIBRARY.define("fused_update(Tensor(a!) param, Tensor grad, Tensor(b!)[] states, Tensor hyper, str kind) -> ()")
+LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind) -> ()")
 
 fused_update = torch.ops.qstate.fused_update.default
+
+
+def states_per_param(params: Sequence, grads: Sequence, states: Sequence) -> int:
+    """``n``, the states of each parameter in a ``fused_update`` call; raises if the lists disagree."""
+    if len(grads) != len(params) or (len(states) % len(params) if params else len(states)):
+        raise ValueError(f"qstate::fused_update: expected one grad per param and the same number of states per "
+                         f"param, got {len(params)} params, {len(grads)} grads, {len(states)} states")
+    return len(states) // len(params) if params else 0

@@ -141,7 +141,7 @@ class TestDTensorStatePins(expecttest.TestCase):
 
         def error(param, grad, states) -> str:
             with self.assertRaises(Exception) as info:
-                fused_update(param, grad, states, torch.zeros(9), "unused")
+                fused_update([param], [grad], states, torch.zeros(9), "unused")
             return f"{type(info.exception).__name__}: {info.exception}"
 
         with local_tensor.LocalTensorMode(WORLD):
@@ -150,9 +150,12 @@ class TestDTensorStatePins(expecttest.TestCase):
             g = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
             r = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate()])
             partial = DTensor.from_local(torch.zeros(8, 16), mesh, [Partial()])
-            self.assertExpectedInline(error(p, g, [r]), """ValueError: qstate::fused_update on DTensors: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
-            self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: grad is a LocalTensor, expected a DTensor""")
-            self.assertExpectedInline(error(partial, partial, []), """ValueError: qstate::fused_update on DTensors: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            self.assertExpectedInline(error(p, g, [r]), """ValueError: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
+            self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: params[0]: grad is a LocalTensor, expected a DTensor""")
+            self.assertExpectedInline(error(partial, partial, []), """ValueError: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            with self.assertRaises(ValueError) as info:  # the lists must pair up (DTensors or not)
+                fused_update([p, p], [g], [r], torch.zeros(9), "unused")
+            self.assertExpectedInline(str(info.exception), """qstate::fused_update: expected one grad per param and the same number of states per param, got 2 params, 1 grads, 1 states""")
 
 
 def test_policy_uses_global_numel_same_type_on_every_rank():

@@ -1,6 +1,6 @@
 """``qstate::fused_update`` on DTensors: the update is elementwise, so it runs shard by shard.
 
-Algebra: an elementwise update of ``param`` from ``grad`` and ``states`` with
+Algebra: an elementwise update of each ``param`` from its ``grad`` and ``states`` with
 replicated scalars commutes with any ``Shard``/``Replicate`` layout that all of
 them share: the update of a shard is the shard of the update. ``Partial``
 inputs (the sum of the shards is not a shard of the sum) and differing layouts
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qstate._library import fused_update
+from qstate._library import fused_update, states_per_param
 from qstate.distributed import _dtensor_type
 from qstate.dtensor_rules._registry import Rule
 
@@ -26,19 +26,25 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     placements, none of them ``Partial``.
     """
     DTensor = _dtensor_type()
-    # checked every step: names are built only for the error, and identity settles most compares
-    mesh, placements, shape = getattr(param, "device_mesh", None), getattr(param, "placements", None), param.shape
-    for i, t in enumerate((param, grad, *states)):
-        if not isinstance(t, DTensor):
-            return TypeError(f"{_name(i)} is a {type(t).__name__}, expected a DTensor")
-        if ((t.device_mesh is not mesh and t.device_mesh != mesh)
-                or (t.placements is not placements and t.placements != placements) or t.shape != shape):
+    # checked every step: DTensor specs read once per tensor (``device_mesh``/``placements`` are
+    # properties over them), identity settles most compares, names are built only for an error
+    tensors = (param, grad, *states)
+    if not all(isinstance(t, DTensor) for t in tensors):
+        i = next(i for i, t in enumerate(tensors) if not isinstance(t, DTensor))
+        return TypeError(f"{_name(i)} is a {type(tensors[i]).__name__}, expected a DTensor")
+    spec = param._spec
+    mesh, placements, shape = spec.mesh, spec.placements, param.shape
+    for i, t in enumerate(tensors[1:], 1):
+        other = t._spec
+        if ((other.mesh is not mesh and other.mesh != mesh)
+                or (other.placements is not placements and other.placements != placements) or t.shape != shape):
             return ValueError(
                 f"{_name(i)} must match param (shape {tuple(shape)}, placements {placements} on "
-                f"{mesh}), got shape {tuple(t.shape)}, placements {t.placements} on {t.device_mesh}"
+                f"{mesh}), got shape {tuple(t.shape)}, placements {other.placements} on {other.mesh}"
             )
-    if any(pl.is_partial() for pl in param.placements):
-        return ValueError(f"Partial placements {param.placements} are not shards of the update; redistribute first")
+    for pl in placements:
+        if pl.is_partial():
+            return ValueError(f"Partial placements {placements} are not shards of the update; redistribute first")
     return None
 
 
@@ -48,11 +54,14 @@ def _name(i: int) -> str:
 
 
 def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
-    param, grad, states, hyper, kind = args
-    error = layout_mismatch(param, grad, states)
-    if error is not None:
-        raise type(error)(f"qstate::fused_update on DTensors: {error}")
-    op_call(param._local_tensor, grad._local_tensor, [s._local_tensor for s in states], hyper, kind, **kwargs)
+    params, grads, states, hyper, kind = args
+    n = states_per_param(params, grads, states)
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        error = layout_mismatch(param, grad, states[i * n:(i + 1) * n])
+        if error is not None:
+            raise type(error)(f"qstate::fused_update on DTensors: params[{i}]: {error}")
+    op_call([p._local_tensor for p in params], [g._local_tensor for g in grads],
+            [s._local_tensor for s in states], hyper, kind, **kwargs)
 
 
 RULES: tuple[Rule, ...] = (

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .._library import LIBRARY, fused_update
+from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
@@ -75,10 +75,17 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
     return h
 
 
-def _update_shard(param: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: Tensor, kind: str) -> None:
+def _update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
+                   kind: str) -> None:
+    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout)."""
+    n = states_per_param(params, grads, states)
     call = _CALLS[kind]
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        _update_shard(param, grad, list(states[i * n:(i + 1) * n]), hyper, call)
+
+
+def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
     rule, flags = RULES[call.rule], dict(call.flags)
-    states = list(states)
     if call.eager:
         h = _eager_scalars(rule, call, hyper, param.device)
     elif fusable(param, grad, states):
@@ -91,10 +98,11 @@ def _update_shard(param: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: 
     update_eagerly(rule, flags, param, grad, states, h, call.stochastic_round)
 
 
-LIBRARY.impl("fused_update", _update_shard, "CompositeExplicitAutograd")
+LIBRARY.impl("fused_update", _update_shards, "CompositeExplicitAutograd")
 
 
-# a shard whose states are QuantizedStates: the update reads and writes their codes/scales itself
+# shards with QuantizedState states (the optimizer's step on quantized DTensor states): the update
+# reads and writes their codes/scales itself
 @register(fused_update)
 def _fused_update_on_states(func, args, kwargs):
-    _update_shard(*args, **kwargs)
+    _update_shards(*args, **kwargs)

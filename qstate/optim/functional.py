@@ -164,6 +164,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
+    # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
+    batches: dict[tuple, tuple[Tensor, str, list, list, list]] = {}
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         st = list(st)
@@ -183,13 +185,21 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # eager math with the eager scalars (as for a plain tensor).
             # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
             # path draws from the positional stream of the DTensor rules (independent shards).
-            if small:
-                hyper, call = eager_call(rule, static, sr, scalars.eager(step, p.device))
-            else:
-                hyper, call = scalars.hyper(step, p.device), FusedCall(rule.name, static, sr)
-            fused_update(p, g, st, hyper, call_key(call))
+            key = (small, step, p.device)
+            if key not in batches:
+                if small:
+                    hyper, call = eager_call(rule, static, sr, scalars.eager(step, p.device))
+                else:
+                    hyper, call = scalars.hyper(step, p.device), FusedCall(rule.name, static, sr)
+                batches[key] = (hyper, call_key(call), [], [], [])
+            batch = batches[key]
+            batch[2].append(p)
+            batch[3].append(g)
+            batch[4].extend(st)
         else:
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+    for hyper, kind, ps, gs, sts in batches.values():
+        fused_update(ps, gs, sts, hyper, kind)
 
 
 def _spec(rule: UpdateRule, static: tuple, p: Tensor, states: Sequence[Tensor], sr: bool) -> KernelSpec:
