@@ -210,3 +210,28 @@ qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest wi
     def tearDown(self):
         self._dir.cleanup()
         super().tearDown()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
+    # _binade_tables' rule (the C kernel's encode8_64): bucket by sign, binade and top mantissa
+    # bits, then code = lower code c + (y > t_c); emulated here on every threshold and its float
+    # neighbours, map entries, specials and values over 9 decades, against Codec.encode
+    from qstate.optim._codec import get_codec
+
+    codec = get_codec("8bit", signed, "cpu")
+    binade, bucket, t = _cpu_kernel._binade_tables("8bit", signed)
+    qmap = codec.tables[0]
+    gen = torch.Generator().manual_seed(0)
+    y = torch.cat([t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)), qmap, -qmap,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-31, -(2.0**-30), 1e-30, float("nan")]),
+                   (torch.rand(200_000, generator=gen) * 2 - 1) * 10 ** (-9 * torch.rand(200_000, generator=gen))])
+    y = torch.where(y.isnan(), y, y.clamp(-1, 1))
+    bits = y.abs().view(torch.int32).long()
+    j = ((bits >> 23) - _cpu_kernel._E_LOW).clamp(0, 31) + 32 * (y < 0).long()
+    entry = binade.long()[j]
+    code = bucket.long()[(entry & 0xFFFF) + ((bits & 0x7FFFFF) >> (entry >> 16))]
+    code = code + (y > t[code]).long()
+    if not signed:
+        code = torch.where((code == codec.zero_code) & (y > 0), code + 1, code)
+    assert torch.equal(code, codec.encode(y, codec.tables).long())

@@ -45,9 +45,9 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor
 
-from ..formats import MapFormat, get_format
+from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
-from ._codec import get_codec
+from ._codec import _code_thresholds, get_codec
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled"]
 
@@ -62,7 +62,69 @@ _PLAIN_UNIT = 256
 
 class _QState(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("qmap", ctypes.c_void_p),
-                ("table", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64)]
+                ("table", ctypes.c_void_p), ("code_stride", ctypes.c_int64), ("scale_stride", ctypes.c_int64),
+                ("binade", ctypes.c_void_p), ("bucket", ctypes.c_void_p), ("threshold", ctypes.c_void_p)]
+
+
+#: exponents of |y| below this share the in-register encode's first binade (csrc: encode8_64)
+_E_LOW = 96
+
+
+@functools.lru_cache(maxsize=None)
+def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The in-register 8-bit encode's tables (``encode8_64`` in the C source): per sign and binade
+    ``first bucket | mantissa shift << 16`` (``int32 [64]``), each bucket's lower code
+    (``uint8 [512]``) and the code thresholds ``t_c`` (``float32 [256]``).
+
+    Binade ``j`` holds ``|y|`` with exponent ``_E_LOW + j`` (clamped to ``0..31``: smaller values
+    share binade 0, NaN falls in 1.0's) and splits into ``2**m`` buckets of its top mantissa bits,
+    the fewest that keep every bucket within two adjacent codes; the code of ``y`` is then its
+    bucket's lower code ``c`` plus ``y > t_c``: the packed table's code, exactly (the C kernel's
+    tests compare every code with inductor's).
+    """
+    qmap = get_codec(fmt, signed, "cpu").qmap
+    thresholds = _code_thresholds(qmap)
+    binade = torch.zeros(64, dtype=torch.int32)
+    lower: list[int] = []
+    for neg in (False, True):
+        for j in range(32):
+            e = _E_LOW + j
+            for m in range(0, 9 if 0 < j < 31 else 1):
+                shift = 23 - m
+                lo = (e << 23) + (torch.arange(1 << m, dtype=torch.int64) << shift)
+                hi = lo + (1 << shift) - 1
+                if j == 0:
+                    lo[0] = 0
+                if j == 31:
+                    hi[0] = lo[0]
+                y_lo, y_hi = lo.to(torch.int32).view(torch.float32), hi.to(torch.int32).view(torch.float32)
+                if neg:
+                    y_lo, y_hi = -y_hi, -y_lo
+                c_lo, c_hi = nearest_code(y_lo, qmap), nearest_code(y_hi, qmap)
+                if int((c_hi - c_lo).max()) <= 1:
+                    break
+            else:
+                raise ValueError(f"{fmt} map: a binade needs buckets finer than 8 mantissa bits")
+            binade[32 * neg + j] = len(lower) | (shift << 16)
+            lower += c_lo.tolist()
+    if len(lower) > 512:
+        raise ValueError(f"{fmt} map: {len(lower)} encode buckets, more than 512")
+    bucket = torch.tensor(lower + [0] * (512 - len(lower)), dtype=torch.uint8)
+    return binade, bucket, thresholds.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def _in_register_encode(fmt: str, signed: bool, rounding: str) -> bool:
+    """Whether a state of this kind encodes with ``encode8_64``: an 8-bit map rounded to nearest
+    whose map fits :func:`_binade_tables` (one that does not keeps the table's encode)."""
+    codec = get_codec(fmt, signed, "cpu")
+    if not (codec.lookup and codec.fmt.bits == 8 and rounding == "nearest"):
+        return False
+    try:
+        _binade_tables(fmt, signed)
+    except ValueError:
+        return False
+    return True
 
 
 #: float8_e4m3fn's value of each code (NaN for 0x7f / 0xff): an fp8 state's decode table
@@ -140,13 +202,15 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define UNIT {math.lcm(*sizes)}")
     for i, s in enumerate(spec.states):
         if s[0] == "plain":
-            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "BITS": 32, "BS": _PLAIN_UNIT, "SIGNED": 1,
-                      "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0, "MAXCODE": "1.0f"}
+            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "BITS": 32, "BS": _PLAIN_UNIT,
+                      "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0,
+                      "MAXCODE": "1.0f"}
             lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
             continue
         codec = get_codec(s[1], s[2], "cpu")
         fp8 = not codec.lookup
-        consts = {"PLAIN": 0, "BF16": 0, "BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
+        consts = {"PLAIN": 0, "BF16": 0, "ENC8": int(_in_register_encode(s[1], s[2], s[4])),
+                  "BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
                   "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
                   "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s[4] == "stochastic"),
                   "N": 256 if fp8 else codec.qmap.numel(), "FP8": int(fp8), "MAXCODE": f"{codec.fmt.max_code!r}f"}
@@ -233,6 +297,8 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
         slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
         if codec.lookup:
             slot.qmap, slot.table = codec.tables[0].data_ptr(), codec.tables[1].data_ptr()
+            if _in_register_encode(s.format, s.signed, s.rounding):
+                slot.binade, slot.bucket, slot.threshold = (t.data_ptr() for t in _binade_tables(s.format, s.signed))
         else:  # fp8: the values of the 256 codes (decode); no encode table
             slot.qmap, slot.table = _FP8_VALUES.data_ptr(), 0
         slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]

@@ -13,6 +13,7 @@
  *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
+ *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
  *   S<i>_PLAIN, S<i>_BF16                a plain state (``codes``: its float32, or bfloat16, values;
  *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
@@ -26,6 +27,9 @@
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
  * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
+ * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
+ * the table's gathers (encode8_64: the same codes, from in-register tables); everything else,
+ * and every tail, uses the scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -54,6 +58,10 @@ typedef struct {
     const int32_t *table;
     int64_t code_stride;  /* bytes per row */
     int64_t scale_stride; /* scales per row */
+    /* 8-bit map states, round to nearest: the in-register encode's tables (encode8_64), or NULL */
+    const int32_t *binade;   /* [64] per (sign, binade): first bucket | mantissa shift << 16 */
+    const uint8_t *bucket;   /* [512] lower code of each bucket */
+    const float *threshold;  /* [256] t_c: the largest y whose nearest code is <= c */
 } qstate_t;
 
 static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -251,44 +259,123 @@ static const uint16_t IL_W[2][32] __attribute__((aligned(64))) = {
      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
 #endif
 
-/* out[j] = qmap[codes[j]] * sc for j < n: 64 codes at a time as four in-register byte-table
- * lookups (vpermi2b over 2 x 128 entries each) and two interleaves back into floats, exactly the
- * table's bits; the tail (and machines without AVX-512 VBMI) reads the table. */
+#if HAVE_VBMI
+/* The 64 floats table[idx[k]] (k = 0..63) of a 256-entry float table held as byte planes t[byte][quarter]:
+ * per plane two 128-entry in-register lookups (vpermi2b) and a blend on the index's top bit, then two
+ * interleaves back into floats, exactly the table's bits. out[q] holds elements 16q .. 16q + 15. */
+static inline void lookup_planes(const __m512i t[4][4], __m512i idx, __m512 out[4]) {
+    const __mmask64 high = _mm512_movepi8_mask(idx);
+    __m512i b[4];
+    for (int k = 0; k < 4; k++) {
+        const __m512i lo = _mm512_permutex2var_epi8(t[k][0], idx, t[k][1]);
+        const __m512i hi = _mm512_permutex2var_epi8(t[k][2], idx, t[k][3]);
+        b[k] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    /* byte interleave of elements 0..31 / 32..63 of two planes; word interleave of two such */
+    const __m512i iw0 = _mm512_load_si512(IL_W[0]), iw1 = _mm512_load_si512(IL_W[1]);
+    for (int half = 0; half < 2; half++) {
+        const __m512i ib = _mm512_load_si512(IL_B[half]);
+        const __m512i w01 = _mm512_permutex2var_epi8(b[0], ib, b[1]);
+        const __m512i w23 = _mm512_permutex2var_epi8(b[2], ib, b[3]);
+        out[2 * half] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw0, w23));
+        out[2 * half + 1] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw1, w23));
+    }
+}
+
+static inline void load_planes(const planes_t *pl, __m512i t[4][4]) {
+    for (int k = 0; k < 4; k++)
+        for (int q = 0; q < 4; q++) t[k][q] = _mm512_loadu_si512((const void *)(pl->b[k] + 64 * q));
+}
+#endif
+
+/* out[j] = qmap[codes[j]] * sc for j < n: 64 codes at a time as in-register lookups (lookup_planes);
+ * the tail (and machines without AVX-512 VBMI) reads the table. */
 static inline void decode8(const uint8_t *restrict codes, int64_t n, const float *restrict qmap,
                            const planes_t *restrict pl, float sc, float *restrict out) {
     int64_t j = 0;
 #if HAVE_VBMI
     const __m512 vs = _mm512_set1_ps(sc);
     __m512i t[4][4];
-    for (int k = 0; k < 4; k++)
-        for (int q = 0; q < 4; q++) t[k][q] = _mm512_loadu_si512((const void *)(pl->b[k] + 64 * q));
-    /* byte interleave of elements 0..31 / 32..63 of two planes; word interleave of two such */
-    const __m512i ib0 = _mm512_load_si512(IL_B[0]), ib1 = _mm512_load_si512(IL_B[1]);
-    const __m512i iw0 = _mm512_load_si512(IL_W[0]), iw1 = _mm512_load_si512(IL_W[1]);
+    load_planes(pl, t);
     for (; j + 64 <= n; j += 64) {
-        const __m512i idx = _mm512_loadu_si512((const void *)(codes + j));
-        const __mmask64 high = _mm512_movepi8_mask(idx);
-        __m512i b[4];
-        for (int k = 0; k < 4; k++) {
-            const __m512i lo = _mm512_permutex2var_epi8(t[k][0], idx, t[k][1]);
-            const __m512i hi = _mm512_permutex2var_epi8(t[k][2], idx, t[k][3]);
-            b[k] = _mm512_mask_blend_epi8(high, lo, hi);
-        }
-        for (int half = 0; half < 2; half++) {
-            const __m512i ib = half ? ib1 : ib0;
-            const __m512i w01 = _mm512_permutex2var_epi8(b[0], ib, b[1]);
-            const __m512i w23 = _mm512_permutex2var_epi8(b[2], ib, b[3]);
-            const __m512 f0 = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw0, w23));
-            const __m512 f1 = _mm512_castsi512_ps(_mm512_permutex2var_epi16(w01, iw1, w23));
-            _mm512_storeu_ps(out + j + 32 * half, _mm512_mul_ps(f0, vs));
-            _mm512_storeu_ps(out + j + 32 * half + 16, _mm512_mul_ps(f1, vs));
-        }
+        __m512 f[4];
+        lookup_planes(t, _mm512_loadu_si512((const void *)(codes + j)), f);
+        for (int q = 0; q < 4; q++) _mm512_storeu_ps(out + j + 16 * q, _mm512_mul_ps(f[q], vs));
     }
 #else
     (void)pl;
 #endif
     for (; j < n; j++) out[j] = qmap[codes[j]] * sc;
 }
+
+/* The in-register encode of 8-bit map states (round to nearest), for machines with AVX-512 VBMI.
+ * Its tables (qstate/optim/_cpu_kernel.py, _binade_tables) split |y| by sign and binade (exponent
+ * 96 + j, j = 0..31 after clamping: below is one bucket, NaN falls in 1.0's) into buckets of the top
+ * mantissa bits, as few per binade as keep every bucket within two adjacent codes; a bucket's lower
+ * code c then gives the code c + (y > t_c), exactly the packed table's (Codec.encode). Per 64
+ * values: the bucket index from a 64-entry in-register table (vpermi2d), the lower code from
+ * 512 in-register bytes, t_c from byte planes (lookup_planes): no gathers. */
+typedef struct {
+    planes_t threshold; /* t_c as byte planes */
+    uint8_t bucket[512];
+    int32_t binade[64];
+} enc8_t;
+
+static void make_enc8(const qstate_t *s, enc8_t *out) {
+    make_planes(s->threshold, &out->threshold);
+    memcpy(out->bucket, s->bucket, sizeof out->bucket);
+    memcpy(out->binade, s->binade, sizeof out->binade);
+}
+
+#if HAVE_VBMI
+/* codes of x[0..63] / div into out[0..63] (unsigned: a positive value never takes the zero code) */
+static inline void encode8_64(const float *restrict x, float div, const enc8_t *restrict E, const __m512i t[4][4],
+                              int is_signed, int zero_code, uint8_t *restrict out) {
+    const __m512 vdiv = _mm512_set1_ps(div), vzero = _mm512_setzero_ps();
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
+    const __m512i e_low = _mm512_set1_epi32(96), j_max = _mm512_set1_epi32(31), zero_i = _mm512_setzero_si512();
+    const __m512i low16 = _mm512_set1_epi32(0xffff), bit8 = _mm512_set1_epi32(256);
+    const __m512i p0 = _mm512_loadu_si512((const void *)(E->binade)), p1 = _mm512_loadu_si512((const void *)(E->binade + 16));
+    const __m512i n0 = _mm512_loadu_si512((const void *)(E->binade + 32)), n1 = _mm512_loadu_si512((const void *)(E->binade + 48));
+    __m512 y[4];
+    __m512i idx8 = _mm512_setzero_si512();
+    uint64_t upper = 0, positive = 0;
+    for (int q = 0; q < 4; q++) {
+        y[q] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * q), vdiv);
+        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(y[q]), abs_mask);
+        const __mmask16 neg = _mm512_cmp_ps_mask(y[q], vzero, _CMP_LT_OQ);
+        __m512i j = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), e_low);
+        j = _mm512_min_epi32(_mm512_max_epi32(j, zero_i), j_max);
+        const __m512i pr = _mm512_mask_blend_epi32(neg, _mm512_permutex2var_epi32(p0, j, p1),
+                                                   _mm512_permutex2var_epi32(n0, j, n1));
+        const __m512i idx = _mm512_add_epi32(_mm512_and_si512(pr, low16),
+                                             _mm512_srlv_epi32(_mm512_and_si512(bits, mant_mask), _mm512_srli_epi32(pr, 16)));
+        idx8 = _mm512_inserti32x4(idx8, _mm512_cvtepi32_epi8(idx), q);
+        upper |= (uint64_t)_mm512_test_epi32_mask(idx, bit8) << (16 * q);
+        positive |= (uint64_t)_mm512_cmp_ps_mask(y[q], vzero, _CMP_GT_OQ) << (16 * q);
+    }
+    /* lower code of each bucket: 512 bytes as four 128-entry lookups */
+    const __mmask64 top7 = _mm512_movepi8_mask(idx8);
+    __m512i c[8];
+    for (int k = 0; k < 8; k++) c[k] = _mm512_loadu_si512((const void *)(E->bucket + 64 * k));
+    const __m512i first = _mm512_mask_blend_epi8(top7, _mm512_permutex2var_epi8(c[0], idx8, c[1]),
+                                                 _mm512_permutex2var_epi8(c[2], idx8, c[3]));
+    const __m512i second = _mm512_mask_blend_epi8(top7, _mm512_permutex2var_epi8(c[4], idx8, c[5]),
+                                                  _mm512_permutex2var_epi8(c[6], idx8, c[7]));
+    __m512i code = _mm512_mask_blend_epi8((__mmask64)upper, first, second);
+    __m512 th[4];
+    lookup_planes(t, code, th);
+    uint64_t up = 0;
+    for (int q = 0; q < 4; q++) up |= (uint64_t)_mm512_cmp_ps_mask(y[q], th[q], _CMP_GT_OQ) << (16 * q);
+    const __m512i one = _mm512_set1_epi8(1);
+    code = _mm512_mask_add_epi8(code, (__mmask64)up, code, one);
+    if (!is_signed) {
+        const __mmask64 at_zero = _mm512_cmpeq_epi8_mask(code, _mm512_set1_epi8((char)zero_code));
+        code = _mm512_mask_add_epi8(code, at_zero & (__mmask64)positive, code, one);
+    }
+    _mm512_storeu_si512((void *)out, code);
+}
+#endif
 
 /* out[j] = qmap[code j] * sc for j < n, 4-bit codes (code 2k: low nibble of byte k): 16 at a time
  * as one in-register lookup in the 16-entry map (vpermps) on AVX-512; the tail reads the table. */
@@ -344,6 +431,23 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ZERO_GMAX(i) uint32_t gmax##i = 0;
 #define SAVE_GMAX(i) gbits##i[(col - c0) / GROUP] = gmax##i;
 
+/* whether state i encodes with encode8_64 (8-bit map, round to nearest, tables given) */
+#define ENC8(i) (S##i##_ENC8)
+#define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i));
+#if HAVE_VBMI
+#define DECLARE_ENC8(i)                                                                   \
+    __m512i thr##i[4][4];                                                                 \
+    if (ENC8(i)) load_planes(&enc[i].threshold, thr##i);
+/* codes of x[j0..] / div, 64 at a time, while 64 remain (j0 moves past them) */
+#define ENCODE8_VECTOR(i, x, bn, div, out, j0)                                            \
+    if (ENC8(i))                                                                          \
+        for (; (j0) + 64 <= (bn); (j0) += 64)                                             \
+            encode8_64((x) + (j0), (div), enc + (i), thr##i, S##i##_SIGNED, S##i##_ZERO, (out) + (j0));
+#else
+#define DECLARE_ENC8(i)
+#define ENCODE8_VECTOR(i, x, bn, div, out, j0)
+#endif
+
 /* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
 #define ENCODE_BLOCKS(i)                                                                  \
     for (int64_t b0 = c0; !S##i##_PLAIN && b0 < c0 + len; b0 += S##i##_BS) {              \
@@ -359,9 +463,11 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         const float div = scale == 0.0f ? 1.0f : scale;                                   \
         uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
         if (S##i##_BITS == 8) {                                                           \
+            int64_t j0 = 0;                                                               \
+            ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                    \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
-            for (int64_t j = 0; j < bn; j++) {                                            \
+            for (int64_t j = j0; j < bn; j++) {                                           \
                 uint8_t c;                                                                \
                 ENCODE(i, x[j] / div, c);                                                 \
                 cp[b0 + j] = c;                                                           \
@@ -386,7 +492,8 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
-                           const planes_t *planes, int64_t r, int64_t c0, int64_t len) {
+                           const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len) {
+    (void)enc;
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
@@ -404,6 +511,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         }
         FOR_STATES(SAVE_GMAX)
     }
+    FOR_STATES(DECLARE_ENC8)
     FOR_STATES(ENCODE_BLOCKS)
 }
 
@@ -413,11 +521,13 @@ void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float 
     const int64_t segs = (row_len + UNIT - 1) / UNIT;
     const int64_t items = rows * segs;
     planes_t planes[NSTATES];
+    enc8_t enc[NSTATES];
     FOR_STATES(MAKE_PLANES)
+    FOR_STATES(MAKE_ENC8)
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t r = it / segs, c0 = (it % segs) * UNIT;
         const int64_t len = (row_len - c0) < UNIT ? (row_len - c0) : UNIT;
-        update_segment(p + r * row_len, g + r * row_len, st, h, planes, r, c0, len);
+        update_segment(p + r * row_len, g + r * row_len, st, h, planes, enc, r, c0, len);
     }
 }
