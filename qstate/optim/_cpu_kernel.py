@@ -118,7 +118,7 @@ def _in_register_encode(fmt: str, signed: bool, rounding: str) -> bool:
     """Whether a state of this kind encodes with ``encode8_64``: an 8-bit map rounded to nearest
     whose map fits :func:`_binade_tables` (one that does not keeps the table's encode)."""
     codec = get_codec(fmt, signed, "cpu")
-    if not (codec.lookup and codec.fmt.bits == 8 and rounding == "nearest"):
+    if not (codec.lookup and codec.fmt.bits == 8 and rounding == "nearest" and codec.qmap.numel() == 256):
         return False
     try:
         _binade_tables(fmt, signed)
