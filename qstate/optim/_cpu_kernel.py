@@ -267,7 +267,7 @@ def _tag(spec, grad_dtype: torch.dtype) -> str:
     return spec.tag() + (f"_grad_{str(grad_dtype).split('.')[-1]}" if grad_dtype != spec.param_dtype else "")
 
 
-#: (kernel kind, gradient dtype) -> loaded library
+#: (kernel kind, gradient dtype) -> (loaded library, each state's table pointers)
 _LIBS: dict = {}
 
 
@@ -276,15 +276,29 @@ def built_kinds() -> list[str]:
     return sorted(_tag(*key) for key in _LIBS)
 
 
+def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
+    """The kernel's tables for a state of ``entry``'s kind (its codec's, cached for the process):
+    ``qmap``, ``table``, ``binade``, ``bucket``, ``threshold`` (0 where the kind has none)."""
+    if entry[0] != "q":
+        return (0, 0, 0, 0, 0)
+    codec = get_codec(entry[1], entry[2], "cpu")
+    if not codec.lookup:  # fp8: the values of the 256 codes (decode); no encode table
+        return (_FP8_VALUES.data_ptr(), 0, 0, 0, 0)
+    encode = _binade_tables(entry[1], entry[2]) if _in_register_encode(entry[1], entry[2], entry[4]) else ()
+    pointers = [t.data_ptr() for t in (*codec.tables[:2], *encode)]
+    return tuple(pointers + [0] * (5 - len(pointers)))
+
+
 def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]]) -> None:
     """One fused update of ``p`` and its quantized ``states`` (the caller checked :func:`supports` and layouts).
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
     """
     key = (spec, g.dtype)
-    dll = _LIBS.get(key)
-    if dll is None:
-        dll = _LIBS[key] = _build(spec, g.dtype)
+    loaded = _LIBS.get(key)
+    if loaded is None:
+        loaded = _LIBS[key] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
+    dll, tables = loaded
     arr = (_QState * len(states))()
     if spec.states[0][0] == "plain":  # one row of values, read and written in place
         for slot, s in zip(arr, states):
@@ -292,16 +306,10 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
         rows, row_len = 1, p.numel()
     else:
         rows, row_len = states[0].rows, states[0].row_len
-    for slot, s in zip(arr, states if spec.states[0][0] == "q" else ()):
-        codec = get_codec(s.format, s.signed, p.device)
-        slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
-        if codec.lookup:
-            slot.qmap, slot.table = codec.tables[0].data_ptr(), codec.tables[1].data_ptr()
-            if _in_register_encode(s.format, s.signed, s.rounding):
-                slot.binade, slot.bucket, slot.threshold = (t.data_ptr() for t in _binade_tables(s.format, s.signed))
-        else:  # fp8: the values of the 256 codes (decode); no encode table
-            slot.qmap, slot.table = _FP8_VALUES.data_ptr(), 0
-        slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
+        for slot, s, pointers in zip(arr, states, tables):
+            slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
+            slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
+            slot.qmap, slot.table, slot.binade, slot.bucket, slot.threshold = pointers
     if isinstance(hyper, Tensor):
         hyper = hyper if hyper.dtype == torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
         h = hyper.data_ptr()
