@@ -1,0 +1,113 @@
+"""A/B of two versions of the CPU update kernel's C source on the same data, calls interleaved.
+
+For work on ``qstate/optim/csrc/update_kernel.c``: the shared machine's load
+moves whole-step timings by 10-30% from run to run, but two kernels timed
+call by call in one process (the order alternating each round) see the same
+load, which resolves differences of 1-2%.
+
+``--dump FILE`` writes the configured source (the ``#define`` block of one
+kernel kind, then ``update_kernel.c``) of AdamW's kind for ``--format``; edit
+a copy, then compare the two. Both must keep the kernel's ``qstate_t`` layout.
+The data is one ``[n / 1024, 1024]`` weight after two optimizer steps; each
+call updates it and its states in place (so the kernels see the same,
+slowly drifting, values).
+
+    python benchmarks/bench_kernel_ab.py --dump /tmp/a.c [--format 8bit]
+    python benchmarks/bench_kernel_ab.py /tmp/a.c /tmp/b.c [--numel 1M] [--threads 2] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from _common import parse_size
+from qstate.optim import AdamW
+from qstate.optim import _cpu_kernel as ck
+
+
+def _setup(fmt: str, numel: int):
+    """The weight, its gradient, its states and the kernel kind after two steps of AdamW."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(max(1, numel // 1024), 1024))
+    w.grad = torch.randn_like(w)
+    opt = AdamW([w], lr=1e-3, state_format=fmt)
+    seen = {}
+    run = ck.run
+
+    def spy(spec, p, g, states, hyper):
+        seen["spec"] = spec
+        run(spec, p, g, states, hyper)
+
+    ck.run = spy
+    try:
+        opt.step()
+        opt.step()
+    finally:
+        ck.run = run
+    if "spec" not in seen:
+        raise SystemExit(f"--format {fmt}: its kind does not run the C kernel on this machine")
+    states = [opt.state[w][name] for name in ("exp_avg", "exp_avg_sq")]
+    return w, states, seen["spec"]
+
+
+def _load(source: Path, out_dir: Path) -> ctypes.CDLL:
+    lib = out_dir / (source.stem + ".so")
+    cc = ck._compiler()
+    proc = subprocess.run([cc, *ck._CFLAGS, str(source), "-o", str(lib), "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"compiling {source} failed:\n{proc.stderr}")
+    dll = ctypes.CDLL(str(lib))
+    dll.qstate_update.restype = None
+    return dll
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sources", nargs="*", type=Path, help="two configured kernel sources (A, B)")
+    ap.add_argument("--dump", type=Path, help="write the configured source of --format's AdamW kind here")
+    ap.add_argument("--format", default="8bit")
+    ap.add_argument("--numel", default="1M")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--calls", type=int, default=200, help="calls of each kernel")
+    args = ap.parse_args()
+    w, states, spec = _setup(args.format, parse_size(args.numel))
+    if args.dump:
+        args.dump.write_text(ck._config(spec, w.grad.dtype) + ck._SOURCE.read_text())
+        print(f"wrote {args.dump} ({spec.tag()})")
+        return
+    if len(args.sources) != 2:
+        ap.error("give two sources (or --dump FILE)")
+    arr = (ck._QState * len(states))()
+    for slot, s, pointers in zip(arr, states, [ck._table_pointers(e) for e in spec.states]):
+        slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
+        slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
+        slot.qmap, slot.table, slot.binade, slot.bucket, slot.threshold = pointers
+    hyper = (ctypes.c_float * 9)(1e-3, 1.0, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.05, 10.0)
+    call_args = (ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w.grad.data_ptr()), arr, hyper,
+                 ctypes.c_int64(states[0].rows), ctypes.c_int64(states[0].row_len), ctypes.c_int(args.threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        dlls = [_load(src, Path(tmp)) for src in args.sources]
+        for dll in dlls:  # warm-up
+            dll.qstate_update(*call_args)
+        seconds: list[list[float]] = [[], []]
+        for r in range(args.calls):
+            for i in ((0, 1) if r % 2 else (1, 0)):
+                start = time.perf_counter()
+                dlls[i].qstate_update(*call_args)
+                seconds[i].append(time.perf_counter() - start)
+    a, b = (1e3 * statistics.median(s) for s in seconds)
+    print(f"{spec.tag()}, {w.numel():,} elements, {args.threads} thread(s), median of {args.calls} calls each")
+    print(f"  A {args.sources[0]}: {a:.3f} ms")
+    print(f"  B {args.sources[1]}: {b:.3f} ms   B / A = {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
