@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
-from ._codec import _code_thresholds, get_codec
+from ._codec import _code_thresholds, _floats, get_codec
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled"]
 
@@ -97,7 +97,7 @@ def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
                     lo[0] = 0
                 if j == 31:
                     hi[0] = lo[0]
-                y_lo, y_hi = lo.to(torch.int32).view(torch.float32), hi.to(torch.int32).view(torch.float32)
+                y_lo, y_hi = _floats(lo), _floats(hi)
                 if neg:
                     y_lo, y_hi = -y_hi, -y_lo
                 c_lo, c_hi = nearest_code(y_lo, qmap), nearest_code(y_hi, qmap)
@@ -200,6 +200,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
     lines.append(f"#define UNIT {math.lcm(*sizes)}")
+    lines.append(f"#define ENC8_E_LOW {_E_LOW}")
     for i, s in enumerate(spec.states):
         if s[0] == "plain":
             consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "BITS": 32, "BS": _PLAIN_UNIT,
@@ -290,7 +291,8 @@ def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
 
 
 def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]]) -> None:
-    """One fused update of ``p`` and its quantized ``states`` (the caller checked :func:`supports` and layouts).
+    """One fused update of ``p`` and its ``states``, quantized or plain (the caller checked :func:`supports`
+    and layouts).
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
     """

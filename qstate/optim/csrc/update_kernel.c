@@ -14,6 +14,7 @@
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
+ *   ENC8_E_LOW                           encode8_64's lowest binade exponent (_cpu_kernel._E_LOW)
  *   S<i>_PLAIN, S<i>_BF16                a plain state (``codes``: its float32, or bfloat16, values;
  *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
@@ -310,7 +311,7 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
 
 /* The in-register encode of 8-bit map states (round to nearest), for machines with AVX-512 VBMI.
  * Its tables (qstate/optim/_cpu_kernel.py, _binade_tables) split |y| by sign and binade (exponent
- * 96 + j, j = 0..31 after clamping: below is one bucket, NaN falls in 1.0's) into buckets of the top
+ * ENC8_E_LOW + j, j = 0..31 after clamping: below is one bucket, NaN falls in 1.0's) into buckets of the top
  * mantissa bits, as few per binade as keep every bucket within two adjacent codes; a bucket's lower
  * code c then gives the code c + (y > t_c), exactly the packed table's (Codec.encode). Per 64
  * values: the bucket index from a 64-entry in-register table (vpermi2d), the lower code from
@@ -333,7 +334,7 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
                               int is_signed, int zero_code, uint8_t *restrict out) {
     const __m512 vdiv = _mm512_set1_ps(div), vzero = _mm512_setzero_ps();
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
-    const __m512i e_low = _mm512_set1_epi32(96), j_max = _mm512_set1_epi32(31), zero_i = _mm512_setzero_si512();
+    const __m512i e_low = _mm512_set1_epi32(ENC8_E_LOW), j_max = _mm512_set1_epi32(31), zero_i = _mm512_setzero_si512();
     const __m512i low16 = _mm512_set1_epi32(0xffff), bit8 = _mm512_set1_epi32(256);
     const __m512i p0 = _mm512_loadu_si512((const void *)(E->binade)), p1 = _mm512_loadu_si512((const void *)(E->binade + 16));
     const __m512i n0 = _mm512_loadu_si512((const void *)(E->binade + 32)), n1 = _mm512_loadu_si512((const void *)(E->binade + 48));
