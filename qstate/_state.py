@@ -31,6 +31,7 @@ The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -203,17 +204,12 @@ class QuantizedState(Tensor):
         return _ops_dispatch()(func, types, args, kwargs or {})
 
 
+@functools.cache
 def _ops_dispatch():
     """:func:`qstate.ops.dispatch` (imported on first use: ``qstate.ops`` imports this module)."""
-    global _DISPATCH
-    if _DISPATCH is None:
-        from .ops import dispatch
+    from .ops import dispatch
 
-        _DISPATCH = dispatch
-    return _DISPATCH
-
-
-_DISPATCH = None
+    return dispatch
 
 
 def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:

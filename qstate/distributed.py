@@ -17,6 +17,7 @@ A quantized DTensor state is a DTensor whose local tensor is a
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,20 +30,14 @@ __all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "stat
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
 
 
+@functools.cache
 def _dtensor_type() -> Optional[type]:
     """``DTensor``, or ``None`` in a torch built without distributed (imported once: asked every step)."""
-    global _DTENSOR
-    if _DTENSOR is False:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:
-            _DTENSOR = None
-        else:
-            _DTENSOR = DTensor
-    return _DTENSOR
-
-
-_DTENSOR: Any = False  # not looked up yet
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
 
 
 def is_dtensor(x: Any) -> bool:
@@ -70,16 +65,11 @@ def is_quantized_state(t: Tensor) -> bool:
     return isinstance(local_of(t), _quantized_state_type())
 
 
+@functools.cache
 def _quantized_state_type() -> type:
-    global _QUANTIZED_STATE
-    if _QUANTIZED_STATE is None:
-        from ._state import QuantizedState  # not at import time: _state imports this module
+    from ._state import QuantizedState  # not at import time: _state imports this module
 
-        _QUANTIZED_STATE = QuantizedState
-    return _QUANTIZED_STATE
-
-
-_QUANTIZED_STATE: Optional[type] = None
+    return QuantizedState
 
 
 def state_kind(t: Tensor) -> str:

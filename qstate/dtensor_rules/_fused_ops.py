@@ -29,9 +29,9 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     # checked every step: DTensor specs read once per tensor (``device_mesh``/``placements`` are
     # properties over them), identity settles most compares, names are built only for an error
     tensors = (param, grad, *states)
-    if not all(isinstance(t, DTensor) for t in tensors):
-        i = next(i for i, t in enumerate(tensors) if not isinstance(t, DTensor))
-        return TypeError(f"{_name(i)} is a {type(tensors[i]).__name__}, expected a DTensor")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            return TypeError(f"{_name(i)} is a {type(t).__name__}, expected a DTensor")
     spec = param._spec
     mesh, placements, shape = spec.mesh, spec.placements, param.shape
     for i, t in enumerate(tensors[1:], 1):
