@@ -34,10 +34,11 @@ Shape independence
   stored: ``_INDUCTOR_OPTIONS``). The new scales are returned (the old ones are
   still read in that loop) and copied by :func:`run_fused`.
 
-On CPU, kinds whose states are all ``QuantizedState`` s (8bit, 4bit, fp8)
-run a hand-written C kernel instead (:mod:`._cpu_kernel`): the same
-results bit for bit, one build per kind, about 5x faster than inductor's code
-for them. :func:`run_fused` chooses.
+On CPU, the kinds :func:`._cpu_kernel.supports` takes (states all 8bit /
+4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
+hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
+bit, one build per kind, about 5x faster than inductor's code for quantized
+states. :func:`run_fused` chooses.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; DTensor parameters reach it shard by shard through the operator

@@ -171,10 +171,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         small = _small_and_plain(p, st)
-        if small and compile:  # small plain states run eagerly, unless the C kernel takes their kind
-            small = not _cpu_kernel.supports(_spec(rule, static, p, st, sr), p.device, g.dtype)
+        spec = _spec(rule, static, p, st, sr) if small and compile else None
+        if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind
+            small = not _cpu_kernel.supports(spec, p.device, g.dtype)
         if compile and not small and fusable(p, g, st):
-            spec = _spec(rule, static, p, st, sr)
+            spec = spec or _spec(rule, static, p, st, sr)
             if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
                 _cpu_kernel.run(spec, p, g, st, scalars.host(step))
             else:
