@@ -314,47 +314,63 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
  * ENC8_E_LOW + j, j = 0..31 after clamping: below is one bucket, NaN falls in 1.0's) into buckets of the top
  * mantissa bits, as few per binade as keep every bucket within two adjacent codes; a bucket's lower
  * code c then gives the code c + (y > t_c), exactly the packed table's (Codec.encode). Per 64
- * values: the bucket index from a 64-entry in-register table (vpermi2d), the lower code from
- * 512 in-register bytes, t_c from byte planes (lookup_planes): no gathers. */
+ * values: the bucket index in 16-bit lanes from bits 30..15 of y (exponent | top 8 mantissa bits)
+ * and a 64-entry in-register table of words (vpermt2w), the lower code from 512 in-register bytes,
+ * t_c from byte planes (lookup_planes): no gathers. */
 typedef struct {
     planes_t threshold; /* t_c as byte planes */
     uint8_t bucket[512];
-    int32_t binade[64];
+    /* per (sign, binade): first bucket | (8 - mantissa bits) << 12, for the word-domain index */
+    uint16_t binade[64];
 } enc8_t;
 
 static void make_enc8(const qstate_t *s, enc8_t *out) {
     make_planes(s->threshold, &out->threshold);
     memcpy(out->bucket, s->bucket, sizeof out->bucket);
-    memcpy(out->binade, s->binade, sizeof out->binade);
+    for (int k = 0; k < 64; k++)
+        out->binade[k] = (uint16_t)((s->binade[k] & 0xffff) | (((s->binade[k] >> 16) - 15) << 12));
 }
 
 #if HAVE_VBMI
+/* word k of the 32 words: the low word of dword k of a (k < 16) or of b */
+static const uint16_t LOW_WORDS[32] __attribute__((aligned(64))) = {
+    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+    32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+/* byte k of the 64 bytes: the low byte of word k of a (k < 32) or of b */
+static const uint8_t LOW_BYTES[64] __attribute__((aligned(64))) = {
+    0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50,
+    52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100,
+    102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+
 /* codes of x[0..63] / div into out[0..63] (unsigned: a positive value never takes the zero code) */
 static inline void encode8_64(const float *restrict x, float div, const enc8_t *restrict E, const __m512i t[4][4],
                               int is_signed, int zero_code, uint8_t *restrict out) {
     const __m512 vdiv = _mm512_set1_ps(div), vzero = _mm512_setzero_ps();
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), mant_mask = _mm512_set1_epi32(0x7fffff);
-    const __m512i e_low = _mm512_set1_epi32(ENC8_E_LOW), j_max = _mm512_set1_epi32(31), zero_i = _mm512_setzero_si512();
-    const __m512i low16 = _mm512_set1_epi32(0xffff), bit8 = _mm512_set1_epi32(256);
-    const __m512i p0 = _mm512_loadu_si512((const void *)(E->binade)), p1 = _mm512_loadu_si512((const void *)(E->binade + 16));
-    const __m512i n0 = _mm512_loadu_si512((const void *)(E->binade + 32)), n1 = _mm512_loadu_si512((const void *)(E->binade + 48));
+    const __m512i low_words = _mm512_load_si512(LOW_WORDS), low_bytes = _mm512_load_si512(LOW_BYTES);
+    const __m512i b0 = _mm512_loadu_si512((const void *)(E->binade)), b1 = _mm512_loadu_si512((const void *)(E->binade + 32));
+    const __m512i e_low = _mm512_set1_epi16(ENC8_E_LOW), j_max = _mm512_set1_epi16(31), neg_bit = _mm512_set1_epi16(32);
+    const __m512i low8 = _mm512_set1_epi16(0xff), low12 = _mm512_set1_epi16(0xfff), bit8 = _mm512_set1_epi16(256);
     __m512 y[4];
-    __m512i idx8 = _mm512_setzero_si512();
-    uint64_t upper = 0, positive = 0;
+    __m512i idx[2];
+    __mmask32 upper[2];
+    __mmask16 neg[4], positive[4];
     for (int q = 0; q < 4; q++) {
         y[q] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * q), vdiv);
-        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(y[q]), abs_mask);
-        const __mmask16 neg = _mm512_cmp_ps_mask(y[q], vzero, _CMP_LT_OQ);
-        __m512i j = _mm512_sub_epi32(_mm512_srli_epi32(bits, 23), e_low);
-        j = _mm512_min_epi32(_mm512_max_epi32(j, zero_i), j_max);
-        const __m512i pr = _mm512_mask_blend_epi32(neg, _mm512_permutex2var_epi32(p0, j, p1),
-                                                   _mm512_permutex2var_epi32(n0, j, n1));
-        const __m512i idx = _mm512_add_epi32(_mm512_and_si512(pr, low16),
-                                             _mm512_srlv_epi32(_mm512_and_si512(bits, mant_mask), _mm512_srli_epi32(pr, 16)));
-        idx8 = _mm512_inserti32x4(idx8, _mm512_cvtepi32_epi8(idx), q);
-        upper |= (uint64_t)_mm512_test_epi32_mask(idx, bit8) << (16 * q);
-        positive |= (uint64_t)_mm512_cmp_ps_mask(y[q], vzero, _CMP_GT_OQ) << (16 * q);
+        neg[q] = _mm512_cmp_ps_mask(y[q], vzero, _CMP_LT_OQ);
+        positive[q] = _mm512_cmp_ps_mask(y[q], vzero, _CMP_GT_OQ);
     }
+    for (int h = 0; h < 2; h++) {
+        /* w: bits 30..15 of y (exponent | top 8 mantissa bits), 32 values as words */
+        const __m512i w = _mm512_permutex2var_epi16(_mm512_srli_epi32(_mm512_castps_si512(y[2 * h]), 15), low_words,
+                                                    _mm512_srli_epi32(_mm512_castps_si512(y[2 * h + 1]), 15));
+        __m512i j = _mm512_min_epu16(_mm512_subs_epu16(_mm512_srli_epi16(w, 8), e_low), j_max);
+        j = _mm512_mask_add_epi16(j, _mm512_kunpackw(neg[2 * h + 1], neg[2 * h]), j, neg_bit);
+        const __m512i pr = _mm512_permutex2var_epi16(b0, j, b1);
+        idx[h] = _mm512_add_epi16(_mm512_and_si512(pr, low12),
+                                  _mm512_srlv_epi16(_mm512_and_si512(w, low8), _mm512_srli_epi16(pr, 12)));
+        upper[h] = _mm512_test_epi16_mask(idx[h], bit8);
+    }
+    const __m512i idx8 = _mm512_permutex2var_epi8(idx[0], low_bytes, idx[1]);
     /* lower code of each bucket: 512 bytes as four 128-entry lookups */
     const __mmask64 top7 = _mm512_movepi8_mask(idx8);
     __m512i c[8];
@@ -363,16 +379,19 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
                                                  _mm512_permutex2var_epi8(c[2], idx8, c[3]));
     const __m512i second = _mm512_mask_blend_epi8(top7, _mm512_permutex2var_epi8(c[4], idx8, c[5]),
                                                   _mm512_permutex2var_epi8(c[6], idx8, c[7]));
-    __m512i code = _mm512_mask_blend_epi8((__mmask64)upper, first, second);
+    __m512i code = _mm512_mask_blend_epi8(_mm512_kunpackd(upper[1], upper[0]), first, second);
     __m512 th[4];
     lookup_planes(t, code, th);
-    uint64_t up = 0;
-    for (int q = 0; q < 4; q++) up |= (uint64_t)_mm512_cmp_ps_mask(y[q], th[q], _CMP_GT_OQ) << (16 * q);
+    __mmask16 gt[4];
+    for (int q = 0; q < 4; q++) gt[q] = _mm512_cmp_ps_mask(y[q], th[q], _CMP_GT_OQ);
+    const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(gt[3], gt[2]), _mm512_kunpackw(gt[1], gt[0]));
     const __m512i one = _mm512_set1_epi8(1);
-    code = _mm512_mask_add_epi8(code, (__mmask64)up, code, one);
+    code = _mm512_mask_add_epi8(code, up, code, one);
     if (!is_signed) {
+        const __mmask64 pos = _mm512_kunpackd(_mm512_kunpackw(positive[3], positive[2]),
+                                              _mm512_kunpackw(positive[1], positive[0]));
         const __mmask64 at_zero = _mm512_cmpeq_epi8_mask(code, _mm512_set1_epi8((char)zero_code));
-        code = _mm512_mask_add_epi8(code, at_zero & (__mmask64)positive, code, one);
+        code = _mm512_mask_add_epi8(code, at_zero & pos, code, one);
     }
     _mm512_storeu_si512((void *)out, code);
 }
