@@ -14,8 +14,9 @@ from qstate.optim import _cpu_kernel, cpu_kernel_enabled
 from qstate.optim import functional as F
 from qstate.optim._kernels import KernelSpec, state_entry
 
-#: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D
-SHAPES = [(4, 512), (33, 71), (7, 513), (1000,), (1,), (3, 5, 7)]
+#: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D, and rows of several segments
+#: (_cpu_kernel._MIN_ENC8_UNIT) ending in a partial one
+SHAPES = [(4, 512), (33, 71), (7, 513), (1000,), (1,), (3, 5, 7), (2, 2100)]
 
 
 def _adamw_8bit(ps, gs, states, step):

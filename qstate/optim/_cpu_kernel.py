@@ -58,6 +58,11 @@ _FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
 _MAX_UNIT = 4096
 #: the row segment (work item) of a kind whose states are all plain
 _PLAIN_UNIT = 256
+#: the row segment of a kind with an ``encode8_64`` state: the smallest multiple of the block sizes'
+#: lcm at least this long, so that the encode runs over 1024 values per state in a row: 0.9x the
+#: kernel's time with 256-value segments (bench_kernel_ab, 8bit AdamW; 4bit and fp8 kinds, whose
+#: encodes are scalar, were 1.00-1.03x with longer segments and keep the lcm)
+_MIN_ENC8_UNIT = 1024
 
 
 class _QState(ctypes.Structure):
@@ -199,7 +204,10 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define NSTATES {len(spec.states)}")
     sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
-    lines.append(f"#define UNIT {math.lcm(*sizes)}")
+    unit = math.lcm(*sizes)
+    if any(s[0] == "q" and _in_register_encode(s[1], s[2], s[4]) for s in spec.states):
+        unit *= -(-_MIN_ENC8_UNIT // unit)
+    lines.append(f"#define UNIT {unit}")
     lines.append(f"#define ENC8_E_LOW {_E_LOW}")
     for i, s in enumerate(spec.states):
         if s[0] == "plain":

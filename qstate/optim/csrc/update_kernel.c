@@ -19,8 +19,9 @@
  *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
- *   UNIT                                 lcm of the block sizes: a row segment, whole blocks of
- *                                        every state, buffered on the stack
+ *   UNIT                                 a row segment, whole blocks of every state (a multiple of
+ *                                        the block sizes' lcm; _cpu_kernel._MIN_ENC8_UNIT or more
+ *                                        for kinds with an S<i>_ENC8 state), buffered on the stack
  *
  * Semantics: exactly the compiled inductor kernel's (qstate/optim/_kernels.py):
  * the rule's math in float32 with float32 scalars ``h`` (in scalar_names order),
