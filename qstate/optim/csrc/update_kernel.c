@@ -15,6 +15,8 @@
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
  *   ENC8_E_LOW                           encode8_64's lowest binade exponent (_cpu_kernel._E_LOW)
+ *   PREFETCH_AHEAD                       parameter / gradient elements ahead of the group being
+ *                                        updated to prefetch (0: none; _cpu_kernel._ENC8_PREFETCH_AHEAD)
  *   S<i>_PLAIN, S<i>_BF16                a plain state (``codes``: its float32, or bfloat16, values;
  *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
@@ -523,6 +525,10 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         FOR_STATES(DECODE_GROUP)
         param_t *restrict pp = p + col;
         const grad_t *restrict gp = g + col;
+        for (int64_t k = 0; PREFETCH_AHEAD && k < n; k += 16) { /* a line per 16 elements (bf16: 2 each) */
+            __builtin_prefetch(pp + PREFETCH_AHEAD + k, 1);
+            __builtin_prefetch(gp + PREFETCH_AHEAD + k, 0);
+        }
         FOR_STATES(ZERO_GMAX)
         for (int64_t j = 0; j < n; j++) {
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
