@@ -33,6 +33,15 @@ def _lion_8bit(ps, gs, states, step):
     F.lion(ps, gs, states[0], [step] * len(ps), lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, compile=True)
 
 
+def _adamw_beta1_low(ps, gs, states, step):  # lerp weight 1 - beta1 >= 0.5: torch.lerp's other form
+    F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            compile=True)
+
+
+def _lion_beta1_low(ps, gs, states, step):  # one lerp of each form
+    F.lion(ps, gs, states[0], [step] * len(ps), lr=1e-3, beta1=0.2, beta2=0.99, weight_decay=0.1, compile=True)
+
+
 def _sgd_4bit_nesterov(ps, gs, states, step):
     F.sgd(ps, gs, states[0], [step] * len(ps), lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True,
           compile=True)
@@ -58,6 +67,8 @@ CASES = {
                                [("4bit", True, 64, SR), ("4bit", False, 128), ("4bit", False, 128)]),
     "lion_8bit_block_100_stochastic": (_lion_8bit, torch.float32, [("8bit", True, 100, SR)]),
     "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
+    "adamw_8bit_beta1_low": (_adamw_beta1_low, torch.float32, [("8bit", True, 256), ("8bit", False, 256)]),
+    "lion_8bit_beta1_low": (_lion_beta1_low, torch.float32, [("8bit", True, 256)]),
     "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
     "adamw_fp32_states": (_adamw_8bit, torch.float32, [("fp32", True, 0), ("fp32", False, 0)]),
     "adam_amsgrad_bf16_states_bf16": (_adam_amsgrad, torch.bfloat16,
@@ -165,8 +176,8 @@ def test_one_build_per_kind_not_per_shape(monkeypatch):
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})  # count this test's loads (the builds are on disk)
     for case in CASES:
         _run(case, c_kernel=True, steps=1)  # several shapes per case
-    # each case is one kind, whatever the shapes
-    assert len(_cpu_kernel.built_kinds()) == len(CASES)
+    # each case is one kind, whatever the shapes and scalars (adamw_8bit_beta1_low is adamw_8bit's kind)
+    assert len(_cpu_kernel.built_kinds()) == len(CASES) - 1
 
 
 def test_bf16_stochastic_rounding_of_params_keeps_the_inductor_kernel():

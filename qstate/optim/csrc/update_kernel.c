@@ -98,13 +98,20 @@ typedef float grad_t;
 static inline float load_g(grad_t v) { return v; }
 #endif
 
-/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w) */
-static inline float lerp(float a, float b, float w) {
+/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w); ``low`` is |w| < 0.5,
+ * decided once per call (lerp_low: the weights are the rule's scalars), so the loop holds one form */
+static inline float lerp(float a, float b, float w, int low) {
     float d = b - a;
-    return fabsf(w) < 0.5f ? a + w * d : b - d * (1.0f - w);
+    return low ? a + w * d : b - d * (1.0f - w);
 }
-/* clamp of m to [-limit, limit] that keeps a NaN m (as torch.minimum/maximum do) */
-static inline float clampf(float m, float limit) { return m < -limit ? -limit : (m > limit ? limit : m); }
+static inline int lerp_low(float w) { return fabsf(w) < 0.5f; }
+/* torch.minimum(torch.maximum(m, -limit), limit) (_rules) as two selects (vmaxps, vminps): a NaN m is
+ * kept, as torch keeps it; a NaN limit keeps m where torch gives NaN, but then sqrt_v is NaN and so
+ * is the update */
+static inline float clampf(float m, float limit) {
+    const float x = -limit > m ? -limit : m; /* max(m, -limit) as vmaxps: an unordered compare keeps m */
+    return limit < x ? limit : x;            /* min(x, limit) as vminps */
+}
 static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
 /* The gradient the rule follows (_rules._gradient): unscaled by h[1] (grad_unscale, AMP), negated
@@ -117,9 +124,10 @@ static inline float gradient(float g, const float *restrict h) {
     return g;
 }
 
-/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. */
+/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. low2 / low3:
+ * lerp_low of the lerp weights 1 - h[2] / 1 - h[3] (Adam's beta1; Lion's beta1 and beta2). */
 static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
-                         const float *restrict h) {
+                         const float *restrict h, const int low2, const int low3) {
 #if RULE_ADAM
     /* h: lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound */
     const float lr = h[0], wd = h[5];
@@ -129,7 +137,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #else
     g = g + wd * p;
 #endif
-    float m = lerp(*s0, g, 1.0f - h[2]);
+    float m = lerp(*s0, g, 1.0f - h[2], low2);
     float v = *s1 * h[3] + g * g * (1.0f - h[3]);
     *s0 = m;
     *s1 = v;
@@ -148,8 +156,8 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
     const float lr = h[0], wd = h[4];
     g = gradient(g, h);
     p = p * (1.0f - lr * wd);
-    float direction = signf(lerp(*s0, g, 1.0f - h[2]));
-    *s0 = lerp(*s0, g, 1.0f - h[3]);
+    float direction = signf(lerp(*s0, g, 1.0f - h[2], low2));
+    *s0 = lerp(*s0, g, 1.0f - h[3], low3);
     return p + (-lr) * direction;
 #elif RULE_SGD
     /* h: lr, grad_unscale, momentum, weight_decay, buf_keep, grad_keep */
@@ -513,6 +521,15 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
     }
 
+/* the update of the group's n elements at pp / gp (states: vals, newv, gmax), one lerp form */
+#define UPDATE_LOOP(low2_, low3_)                                                          \
+    for (int64_t j = 0; j < n; j++) {                                                      \
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;                                             \
+        FOR_STATES(LOAD_STATE)                                                             \
+        pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, low2_, low3_)); \
+        FOR_STATES(STORE_STATE)                                                            \
+    }
+
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
                            const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len) {
@@ -520,6 +537,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
+    const int low2 = (RULE_ADAM || RULE_LION) && lerp_low(1.0f - h[2]), low3 = RULE_LION && lerp_low(1.0f - h[3]);
     for (int64_t col = c0; col < c0 + len; col += GROUP) {
         const int64_t n = (c0 + len - col) < GROUP ? (c0 + len - col) : GROUP;
         FOR_STATES(DECODE_GROUP)
@@ -530,12 +548,9 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
             __builtin_prefetch(gp + PREFETCH_AHEAD + k, 0);
         }
         FOR_STATES(ZERO_GMAX)
-        for (int64_t j = 0; j < n; j++) {
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
-            FOR_STATES(LOAD_STATE)
-            pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h));
-            FOR_STATES(STORE_STATE)
-        }
+        /* one loop per lerp form (constant flags: each loop computes one) */
+        if (low2 && low3) UPDATE_LOOP(1, 1) else if (low2) UPDATE_LOOP(1, 0) else if (low3) UPDATE_LOOP(0, 1)
+        else UPDATE_LOOP(0, 0)
         FOR_STATES(SAVE_GMAX)
     }
     FOR_STATES(DECLARE_ENC8)
