@@ -98,13 +98,18 @@ typedef float grad_t;
 static inline float load_g(grad_t v) { return v; }
 #endif
 
-/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w); ``low`` is |w| < 0.5,
- * decided once per call (lerp_low: the weights are the rule's scalars), so the loop holds one form */
-static inline float lerp(float a, float b, float w, int low) {
-    float d = b - a;
-    return low ? a + w * d : b - d * (1.0f - w);
+/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w), as
+ * (low ? a : b) + c (b - a) with the per-call constants low = |w| < 0.5 and c = low ? w : -(1 - w)
+ * (lerp_form; the weights are the rule's scalars): the same bits (negation is exact), one multiply */
+typedef struct {
+    int low;
+    float c;
+} lerp_form_t;
+static inline lerp_form_t lerp_form(float w) {
+    const int low = fabsf(w) < 0.5f;
+    return (lerp_form_t){low, low ? w : -(1.0f - w)};
 }
-static inline int lerp_low(float w) { return fabsf(w) < 0.5f; }
+static inline float lerp(float a, float b, lerp_form_t f) { return (f.low ? a : b) + f.c * (b - a); }
 /* torch.minimum(torch.maximum(m, -limit), limit) (_rules) as two selects (vmaxps, vminps): a NaN m is
  * kept, as torch keeps it; a NaN limit keeps m where torch gives NaN, but then sqrt_v is NaN and so
  * is the update */
@@ -124,10 +129,10 @@ static inline float gradient(float g, const float *restrict h) {
     return g;
 }
 
-/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. low2 / low3:
- * lerp_low of the lerp weights 1 - h[2] / 1 - h[3] (Adam's beta1; Lion's beta1 and beta2). */
+/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. f2 / f3: the
+ * lerp_form of the weights 1 - h[2] / 1 - h[3] (Adam's beta1; Lion's beta1 and beta2). */
 static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
-                         const float *restrict h, const int low2, const int low3) {
+                         const float *restrict h, const lerp_form_t f2, const lerp_form_t f3) {
 #if RULE_ADAM
     /* h: lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound */
     const float lr = h[0], wd = h[5];
@@ -137,7 +142,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #else
     g = g + wd * p;
 #endif
-    float m = lerp(*s0, g, 1.0f - h[2], low2);
+    float m = lerp(*s0, g, f2);
     float v = *s1 * h[3] + g * g * (1.0f - h[3]);
     *s0 = m;
     *s1 = v;
@@ -156,8 +161,8 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
     const float lr = h[0], wd = h[4];
     g = gradient(g, h);
     p = p * (1.0f - lr * wd);
-    float direction = signf(lerp(*s0, g, 1.0f - h[2], low2));
-    *s0 = lerp(*s0, g, 1.0f - h[3], low3);
+    float direction = signf(lerp(*s0, g, f2));
+    *s0 = lerp(*s0, g, f3);
     return p + (-lr) * direction;
 #elif RULE_SGD
     /* h: lr, grad_unscale, momentum, weight_decay, buf_keep, grad_keep */
@@ -521,15 +526,6 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
     }
 
-/* the update of the group's n elements at pp / gp (states: vals, newv, gmax), one lerp form */
-#define UPDATE_LOOP(low2_, low3_)                                                          \
-    for (int64_t j = 0; j < n; j++) {                                                      \
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;                                             \
-        FOR_STATES(LOAD_STATE)                                                             \
-        pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, low2_, low3_)); \
-        FOR_STATES(STORE_STATE)                                                            \
-    }
-
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
                            const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len) {
@@ -537,7 +533,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
-    const int low2 = (RULE_ADAM || RULE_LION) && lerp_low(1.0f - h[2]), low3 = RULE_LION && lerp_low(1.0f - h[3]);
+    const lerp_form_t f2 = lerp_form(1.0f - h[2]), f3 = lerp_form(RULE_LION ? 1.0f - h[3] : 0.0f);
     for (int64_t col = c0; col < c0 + len; col += GROUP) {
         const int64_t n = (c0 + len - col) < GROUP ? (c0 + len - col) : GROUP;
         FOR_STATES(DECODE_GROUP)
@@ -548,9 +544,12 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
             __builtin_prefetch(gp + PREFETCH_AHEAD + k, 0);
         }
         FOR_STATES(ZERO_GMAX)
-        /* one loop per lerp form (constant flags: each loop computes one) */
-        if (low2 && low3) UPDATE_LOOP(1, 1) else if (low2) UPDATE_LOOP(1, 0) else if (low3) UPDATE_LOOP(0, 1)
-        else UPDATE_LOOP(0, 0)
+        for (int64_t j = 0; j < n; j++) {
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+            FOR_STATES(LOAD_STATE)
+            pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, f2, f3));
+            FOR_STATES(STORE_STATE)
+        }
         FOR_STATES(SAVE_GMAX)
     }
     FOR_STATES(DECLARE_ENC8)
