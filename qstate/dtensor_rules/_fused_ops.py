@@ -10,10 +10,13 @@ zero collectives. ``hyper`` is a plain (replicated) tensor.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
+
+import torch
 
 from qstate._library import fused_update, states_per_param
-from qstate.distributed import _dtensor_type
+from qstate.distributed import _dtensor_type, _quantized_state_type
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "fused_update_handler", "layout_mismatch"]
@@ -60,8 +63,31 @@ def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
         error = layout_mismatch(param, grad, states[i * n:(i + 1) * n])
         if error is not None:
             raise type(error)(f"qstate::fused_update on DTensors: params[{i}]: {error}")
-    op_call([p._local_tensor for p in params], [g._local_tensor for g in grads],
-            [s._local_tensor for s in states], hyper, kind, **kwargs)
+    local = ([p._local_tensor for p in params], [g._local_tensor for g in grads], [s._local_tensor for s in states])
+    if _reaches_shard_kernel(local):
+        _shard_kernel()(*local, hyper, kind, **kwargs)
+    else:
+        op_call(*local, hyper, kind, **kwargs)
+
+
+@functools.cache
+def _shard_kernel() -> Callable:
+    """The op's kernel on the local shards, ``qstate.optim._fused_op.update_shards`` (imported on first
+    use: this package never imports the optimizers at import time)."""
+    from qstate.optim._fused_op import update_shards
+
+    return update_shards
+
+
+def _reaches_shard_kernel(local: tuple) -> bool:
+    """Whether re-dispatching the op on these local tensors would only call :func:`_shard_kernel`:
+    no dispatch mode is active (``LocalTensorMode``, fake tensors, ...) and every tensor is a plain
+    tensor (the op's ``CompositeExplicitAutograd`` kernel) or a ``QuantizedState`` (whose op table
+    calls the same function). Calling it directly saves the second dispatch, about 0.01 ms a step."""
+    if torch._C._len_torch_dispatch_stack():
+        return False
+    direct = (torch.Tensor, torch.nn.Parameter, _quantized_state_type())
+    return all(type(t) in direct for tensors in local for t in tensors)
 
 
 RULES: tuple[Rule, ...] = (

@@ -19,6 +19,7 @@ eager).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,7 +32,7 @@ from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "eager_call", "fused_update"]
+__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "update_shards"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,12 @@ def call_key(call: FusedCall) -> str:
     return key
 
 
+@functools.cache
+def fused_kind(rule: str, flags: tuple, stochastic_round: bool) -> str:
+    """``call_key(FusedCall(rule, flags, stochastic_round))``, memoized: asked every step."""
+    return call_key(FusedCall(rule, flags, stochastic_round))
+
+
 def eager_call(rule: UpdateRule, flags: tuple, stochastic_round: bool, h: dict) -> tuple[Tensor, FusedCall]:
     """``(hyper, call)`` running the eager math on each shard with the eager scalars ``h``."""
     hyper = torch.tensor([float(h[n]) for n in rule.scalar_names], dtype=torch.float64)
@@ -75,9 +82,12 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
     return h
 
 
-def _update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
+def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
                    kind: str) -> None:
-    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout)."""
+    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout).
+
+    DTensor's handler calls it on the local shards directly where re-dispatching the op would
+    reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`)."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
     for i, (param, grad) in enumerate(zip(params, grads)):
@@ -85,24 +95,24 @@ def _update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Se
 
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
-    rule, flags = RULES[call.rule], dict(call.flags)
-    if call.eager:
-        h = _eager_scalars(rule, call, hyper, param.device)
-    elif fusable(param, grad, states):
+    if not call.eager and fusable(param, grad, states):
         spec = KernelSpec(call.rule, call.flags, param.dtype, call.stochastic_round,
                           tuple(state_entry(s) for s in states), param.device.type)
         run_fused(spec, param, grad, states, hyper)
         return
+    rule = RULES[call.rule]
+    if call.eager:
+        h = _eager_scalars(rule, call, hyper, param.device)
     else:
         h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
-    update_eagerly(rule, flags, param, grad, states, h, call.stochastic_round)
+    update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round)
 
 
-LIBRARY.impl("fused_update", _update_shards, "CompositeExplicitAutograd")
+LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")
 
 
 # shards with QuantizedState states (the optimizer's step on quantized DTensor states): the update
 # reads and writes their codes/scales itself
 @register(fused_update)
 def _fused_update_on_states(func, args, kwargs):
-    _update_shards(*args, **kwargs)
+    update_shards(*args, **kwargs)

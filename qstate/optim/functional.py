@@ -51,7 +51,7 @@ from torch import Tensor
 from ..distributed import is_dtensor, is_quantized_state
 from ..dtensor_rules._fused_ops import layout_mismatch
 from . import _cpu_kernel
-from ._fused_op import FusedCall, call_key, eager_call, fused_update
+from ._fused_op import call_key, eager_call, fused_kind, fused_update
 from ._kernels import KernelSpec, fusable, run_fused, state_entry
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -190,9 +190,10 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             if key not in batches:
                 if small:
                     hyper, call = eager_call(rule, static, sr, scalars.eager(step, p.device))
+                    kind = call_key(call)
                 else:
-                    hyper, call = scalars.hyper(step, p.device), FusedCall(rule.name, static, sr)
-                batches[key] = (hyper, call_key(call), [], [], [])
+                    hyper, kind = scalars.hyper(step, p.device), fused_kind(rule.name, static, sr)
+                batches[key] = (hyper, kind, [], [], [])
             batch = batches[key]
             batch[2].append(p)
             batch[3].append(g)
