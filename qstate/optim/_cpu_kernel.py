@@ -54,7 +54,7 @@ __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled"]
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
 _FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
-#: largest row segment (lcm of the block sizes) the kernel buffers on its stack, per state
+#: largest lcm of a kind's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
 _MAX_UNIT = 4096
 #: the row segment (work item) of a kind whose states are all plain
 _PLAIN_UNIT = 256
