@@ -7,7 +7,10 @@ load, which resolves differences of 1-2%.
 
 ``--dump FILE`` writes the configured source (the ``#define`` block of one
 kernel kind, then ``update_kernel.c``) of AdamW's kind for ``--format``; edit
-a copy, then compare the two. Both must keep the kernel's ``qstate_t`` layout.
+a copy, then compare the two. Both must keep the kernel's ``qstate_t`` layout,
+and a source whose layout ``#define``s (states, bits, block sizes, dtypes)
+are not those of ``--format``'s kind is refused: it would write past the
+states' buffers.
 The data is one ``[n / 1024, 1024]`` weight after two optimizer steps; each
 call updates it and its states in place (so the kernels see the same,
 slowly drifting, values).
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import re
 import statistics
 import subprocess
 import tempfile
@@ -58,6 +62,20 @@ def _setup(fmt: str, numel: int):
     return w, states, seen["spec"]
 
 
+#: the ``#define``s that fix the data layout a kernel reads and writes (a source configured for another
+#: kind would write past the states' buffers)
+_LAYOUT = re.compile(r"#define (NSTATES|PARAM_BF16|GRAD_BF16|S\d+_(?:BITS|BS|PLAIN|BF16)) (\S+)")
+
+
+def _check_layout(source: Path, config: str, fmt: str) -> None:
+    """Exit unless ``source`` has the layout ``#define``s of ``config`` (the data's kind)."""
+    want, got = dict(_LAYOUT.findall(config)), dict(_LAYOUT.findall(source.read_text()))
+    wrong = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != v}
+    if wrong:
+        raise SystemExit(f"{source}: not configured for the --format {fmt} data's layout "
+                         f"(#define: expected, found): {wrong}; dump it with --format {fmt}")
+
+
 def _load(source: Path, out_dir: Path) -> ctypes.CDLL:
     lib = out_dir / (source.stem + ".so")
     cc = ck._compiler()
@@ -85,6 +103,8 @@ def main() -> None:
         return
     if len(args.sources) != 2:
         ap.error("give two sources (or --dump FILE)")
+    for source in args.sources:
+        _check_layout(source, ck._config(spec, w.grad.dtype), args.format)
     arr = (ck._QState * len(states))()
     for slot, s, pointers in zip(arr, states, [ck._table_pointers(e) for e in spec.states]):
         slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
