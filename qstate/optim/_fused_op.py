@@ -83,7 +83,7 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
 
 
 def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
-                   kind: str) -> None:
+                  kind: str) -> None:
     """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout).
 
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
