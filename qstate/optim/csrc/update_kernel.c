@@ -539,9 +539,10 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         FOR_STATES(DECODE_GROUP)
         param_t *restrict pp = p + col;
         const grad_t *restrict gp = g + col;
-        for (int64_t k = 0; PREFETCH_AHEAD && k < n; k += 16) { /* a line per 16 elements (bf16: 2 each) */
-            __builtin_prefetch(pp + PREFETCH_AHEAD + k, 1);
-            __builtin_prefetch(gp + PREFETCH_AHEAD + k, 0);
+        /* a line per 16 elements (bf16: 2 each); addresses in integers: they may lie past the arrays */
+        for (int64_t k = 0; PREFETCH_AHEAD && k < n; k += 16) {
+            __builtin_prefetch((const void *)((uintptr_t)(pp + k) + PREFETCH_AHEAD * sizeof *pp), 1);
+            __builtin_prefetch((const void *)((uintptr_t)(gp + k) + PREFETCH_AHEAD * sizeof *gp), 0);
         }
         FOR_STATES(ZERO_GMAX)
         for (int64_t j = 0; j < n; j++) {
