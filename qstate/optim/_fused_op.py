@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
-from ._kernels import KernelSpec, fusable, run_fused, state_entry
+from ._kernels import KernelSpec, fusable, run_fused
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
@@ -96,9 +96,8 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
     if not call.eager and fusable(param, grad, states):
-        spec = KernelSpec(call.rule, call.flags, param.dtype, call.stochastic_round,
-                          tuple(state_entry(s) for s in states), param.device.type)
-        run_fused(spec, param, grad, states, hyper)
+        run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
+                  hyper)
         return
     rule = RULES[call.rule]
     if call.eager:

@@ -75,6 +75,11 @@ class KernelSpec:
     states: tuple  # per state: ("plain", dtype) or ("q", format, signed, block_size, rounding)
     device_type: str
 
+    @classmethod
+    def of(cls, rule: str, flags: tuple, p: Tensor, states: Sequence[Tensor], stochastic_round: bool) -> "KernelSpec":
+        """The kind of updating ``p`` and ``states`` (:func:`state_entry` each; a DTensor state counts as plain)."""
+        return cls(rule, flags, p.dtype, stochastic_round, tuple(state_entry(s) for s in states), p.device.type)
+
     @property
     def quantized(self) -> bool:
         return any(s[0] == "q" for s in self.states)

@@ -52,7 +52,7 @@ from ..distributed import is_dtensor, is_quantized_state
 from ..dtensor_rules._fused_ops import layout_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update
-from ._kernels import KernelSpec, fusable, run_fused, state_entry
+from ._kernels import KernelSpec, fusable, run_fused
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
@@ -171,11 +171,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         small = _small_and_plain(p, st)
-        spec = _spec(rule, static, p, st, sr) if small and compile else None
+        spec = KernelSpec.of(rule.name, static, p, st, sr) if small and compile else None
         if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind
             small = not _cpu_kernel.supports(spec, p.device, g.dtype)
         if compile and not small and fusable(p, g, st):
-            spec = spec or _spec(rule, static, p, st, sr)
+            spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
             if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
                 _cpu_kernel.run(spec, p, g, st, scalars.host(step))
             else:
@@ -202,11 +202,6 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
     for hyper, kind, ps, gs, sts in batches.values():
         fused_update(ps, gs, sts, hyper, kind)
-
-
-def _spec(rule: UpdateRule, static: tuple, p: Tensor, states: Sequence[Tensor], sr: bool) -> KernelSpec:
-    """The kernel kind of this update (a DTensor's states count as plain: only asked of plain ones)."""
-    return KernelSpec(rule.name, static, p.dtype, sr, tuple(state_entry(x) for x in states), p.device.type)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
