@@ -239,10 +239,10 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
                    torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-31, -(2.0**-30), 1e-30, float("nan")]),
                    (torch.rand(200_000, generator=gen) * 2 - 1) * 10 ** (-9 * torch.rand(200_000, generator=gen))])
     y = torch.where(y.isnan(), y, y.clamp(-1, 1))
-    bits = y.abs().view(torch.int32).long()
-    j = ((bits >> 23) - _cpu_kernel._E_LOW).clamp(0, 31) + 32 * (y < 0).long()
+    w = y.abs().view(torch.int32).long() >> 15  # exponent, then the top 8 mantissa bits
+    j = ((w >> 8) - _cpu_kernel._E_LOW).clamp(0, 31) + 32 * (y < 0).long()
     entry = binade.long()[j]
-    code = bucket.long()[(entry & 0xFFFF) + ((bits & 0x7FFFFF) >> (entry >> 16))]
+    code = bucket.long()[(entry & 0x1FF) + ((w & 0xFF) >> (entry >> 9))]
     code = code + (y > t[code]).long()
     if not signed:
         code = torch.where((code == codec.zero_code) & (y > 0), code + 1, code)

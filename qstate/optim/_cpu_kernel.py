@@ -85,18 +85,20 @@ _E_LOW = 96
 @functools.lru_cache(maxsize=None)
 def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The in-register 8-bit encode's tables (``encode8_64`` in the C source): per sign and binade
-    ``first bucket | mantissa shift << 16`` (``int32 [64]``), each bucket's lower code
-    (``uint8 [512]``) and the code thresholds ``t_c`` (``float32 [256]``).
+    ``first bucket | (8 - m) << 9`` (``int16 [64]``), each bucket's lower code (``uint8 [512]``)
+    and the code thresholds ``t_c`` (``float32 [256]``).
 
     Binade ``j`` holds ``|y|`` with exponent ``_E_LOW + j`` (clamped to ``0..31``: smaller values
-    share binade 0, NaN falls in 1.0's) and splits into ``2**m`` buckets of its top mantissa bits,
-    the fewest that keep every bucket within two adjacent codes; the code of ``y`` is then its
-    bucket's lower code ``c`` plus ``y > t_c``: the packed table's code, exactly (the C kernel's
-    tests compare every code with inductor's).
+    share binade 0, NaN falls in 1.0's) and splits into ``2**m`` buckets of its top ``m <= 8``
+    mantissa bits, the fewest that keep every bucket within two adjacent codes: with ``w`` the
+    bits 30..15 of ``y`` (exponent, then the top 8 mantissa bits), its bucket is
+    ``first + (w & 0xff) >> (8 - m)``. The code of ``y`` is then its bucket's lower code ``c`` plus
+    ``y > t_c``: the packed table's code, exactly (the C kernel's tests compare every code with
+    inductor's).
     """
     qmap = get_codec(fmt, signed, "cpu").qmap
     thresholds = _code_thresholds(qmap)
-    binade = torch.zeros(64, dtype=torch.int32)
+    binade = torch.zeros(64, dtype=torch.int16)
     lower: list[int] = []
     for neg in (False, True):
         for j in range(32):
@@ -117,9 +119,9 @@ def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
                     break
             else:
                 raise ValueError(f"{fmt} map: a binade needs buckets finer than 8 mantissa bits")
-            binade[32 * neg + j] = len(lower) | (shift << 16)
+            binade[32 * neg + j] = len(lower) | ((8 - m) << 9)
             lower += c_lo.tolist()
-    if len(lower) > 512:
+    if len(lower) > 512:  # also keeps each binade's first bucket below 2**9
         raise ValueError(f"{fmt} map: {len(lower)} encode buckets, more than 512")
     bucket = torch.tensor(lower + [0] * (512 - len(lower)), dtype=torch.uint8)
     return binade, bucket, thresholds.contiguous()

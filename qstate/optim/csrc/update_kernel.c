@@ -63,7 +63,7 @@ typedef struct {
     int64_t code_stride;  /* bytes per row */
     int64_t scale_stride; /* scales per row */
     /* 8-bit map states, round to nearest: the in-register encode's tables (encode8_64), or NULL */
-    const int32_t *binade;   /* [64] per (sign, binade): first bucket | mantissa shift << 16 */
+    const uint16_t *binade;  /* [64] per (sign, binade): first bucket | (8 - mantissa bits) << 9 */
     const uint8_t *bucket;   /* [512] lower code of each bucket */
     const float *threshold;  /* [256] t_c: the largest y whose nearest code is <= c */
 } qstate_t;
@@ -336,15 +336,13 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
 typedef struct {
     planes_t threshold; /* t_c as byte planes */
     uint8_t bucket[512];
-    /* per (sign, binade): first bucket | (8 - mantissa bits) << 12, for the word-domain index */
     uint16_t binade[64];
 } enc8_t;
 
 static void make_enc8(const qstate_t *s, enc8_t *out) {
     make_planes(s->threshold, &out->threshold);
     memcpy(out->bucket, s->bucket, sizeof out->bucket);
-    for (int k = 0; k < 64; k++)
-        out->binade[k] = (uint16_t)((s->binade[k] & 0xffff) | (((s->binade[k] >> 16) - 15) << 12));
+    memcpy(out->binade, s->binade, sizeof out->binade);
 }
 
 #if HAVE_VBMI
@@ -365,7 +363,7 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
     const __m512i low_words = _mm512_load_si512(LOW_WORDS), low_bytes = _mm512_load_si512(LOW_BYTES);
     const __m512i b0 = _mm512_loadu_si512((const void *)(E->binade)), b1 = _mm512_loadu_si512((const void *)(E->binade + 32));
     const __m512i e_low = _mm512_set1_epi16(ENC8_E_LOW), j_max = _mm512_set1_epi16(31), neg_bit = _mm512_set1_epi16(32);
-    const __m512i low8 = _mm512_set1_epi16(0xff), low12 = _mm512_set1_epi16(0xfff), bit8 = _mm512_set1_epi16(256);
+    const __m512i low8 = _mm512_set1_epi16(0xff), low9 = _mm512_set1_epi16(0x1ff), bit8 = _mm512_set1_epi16(256);
     __m512 y[4];
     __m512i idx[2];
     __mmask32 upper[2];
@@ -382,8 +380,8 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
         __m512i j = _mm512_min_epu16(_mm512_subs_epu16(_mm512_srli_epi16(w, 8), e_low), j_max);
         j = _mm512_mask_add_epi16(j, _mm512_kunpackw(neg[2 * h + 1], neg[2 * h]), j, neg_bit);
         const __m512i pr = _mm512_permutex2var_epi16(b0, j, b1);
-        idx[h] = _mm512_add_epi16(_mm512_and_si512(pr, low12),
-                                  _mm512_srlv_epi16(_mm512_and_si512(w, low8), _mm512_srli_epi16(pr, 12)));
+        idx[h] = _mm512_add_epi16(_mm512_and_si512(pr, low9),
+                                  _mm512_srlv_epi16(_mm512_and_si512(w, low8), _mm512_srli_epi16(pr, 9)));
         upper[h] = _mm512_test_epi16_mask(idx[h], bit8);
     }
     const __m512i idx8 = _mm512_permutex2var_epi8(idx[0], low_bytes, idx[1]);
