@@ -105,14 +105,10 @@ def main() -> None:
         ap.error("give two sources (or --dump FILE)")
     for source in args.sources:
         _check_layout(source, ck._config(spec, w.grad.dtype), args.format)
-    arr = (ck._QState * len(states))()
-    for slot, s, pointers in zip(arr, states, [ck._table_pointers(e) for e in spec.states]):
-        slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
-        slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
-        slot.qmap, slot.table, slot.binade, slot.bucket, slot.threshold = pointers
+    arr, rows, row_len = ck.state_slots(spec, w, states, [ck._table_pointers(e) for e in spec.states])
     hyper = (ctypes.c_float * 9)(1e-3, 1.0, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.05, 10.0)
     call_args = (ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w.grad.data_ptr()), arr, hyper,
-                 ctypes.c_int64(states[0].rows), ctypes.c_int64(states[0].row_len), ctypes.c_int(args.threads))
+                 ctypes.c_int64(rows), ctypes.c_int64(row_len), ctypes.c_int(args.threads))
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [_load(src, Path(tmp)) for src in args.sources]
         for dll in dlls:  # warm-up

@@ -309,6 +309,21 @@ def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
     return tuple(pointers + [0] * (5 - len(pointers)))
 
 
+def state_slots(spec, p: Tensor, states: Sequence[Tensor], tables: Sequence[tuple]) -> tuple[ctypes.Array, int, int]:
+    """The kernel's ``qstate_t`` array for ``states`` (``tables``: :func:`_table_pointers` of each
+    entry of ``spec``), and the ``rows`` / ``row_len`` it runs over."""
+    arr = (_QState * len(states))()
+    if spec.states[0][0] == "plain":  # one row of values, read and written in place
+        for slot, s in zip(arr, states):
+            slot.codes, slot.code_stride = s.data_ptr(), p.numel()
+        return arr, 1, p.numel()
+    for slot, s, pointers in zip(arr, states, tables):
+        slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
+        slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
+        slot.qmap, slot.table, slot.binade, slot.bucket, slot.threshold = pointers
+    return arr, states[0].rows, states[0].row_len
+
+
 def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]]) -> None:
     """One fused update of ``p`` and its ``states``, quantized or plain (the caller checked :func:`supports`
     and layouts).
@@ -320,17 +335,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     if loaded is None:
         loaded = _LIBS[key] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
     dll, tables = loaded
-    arr = (_QState * len(states))()
-    if spec.states[0][0] == "plain":  # one row of values, read and written in place
-        for slot, s in zip(arr, states):
-            slot.codes, slot.code_stride = s.data_ptr(), p.numel()
-        rows, row_len = 1, p.numel()
-    else:
-        rows, row_len = states[0].rows, states[0].row_len
-        for slot, s, pointers in zip(arr, states, tables):
-            slot.codes, slot.scale = s.codes.data_ptr(), s.scale.data_ptr()
-            slot.code_stride, slot.scale_stride = s.codes.shape[1], s.scale.shape[1]
-            slot.qmap, slot.table, slot.binade, slot.bucket, slot.threshold = pointers
+    arr, rows, row_len = state_slots(spec, p, states, tables)
     if isinstance(hyper, Tensor):
         hyper = hyper if hyper.dtype == torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
         h = hyper.data_ptr()
