@@ -113,16 +113,20 @@ class _Scalars:
     def hyper(self, step: int, device: torch.device) -> Tensor:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
         key = (step, device)
-        if key not in self._hyper and device.type == "cpu" and not self._tensors:  # one op instead of five
-            self._hyper[key] = torch.frombuffer(array.array("f", self.host(step)), dtype=torch.float32)
-        elif key not in self._hyper:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
+        hyper = self._hyper.get(key)
+        if hyper is not None:
+            return hyper
+        if device.type == "cpu" and not self._tensors:  # one op instead of five
+            hyper = torch.frombuffer(array.array("f", self.host(step)), dtype=torch.float32)
+        else:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
             f = self.floats(step)
             parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
                      for n in self._CALLER]
             rest = [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
             parts.append(torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True))
-            self._hyper[key] = torch.cat(parts)
-        return self._hyper[key]
+            hyper = torch.cat(parts)
+        self._hyper[key] = hyper
+        return hyper
 
 
 def _step_of(s: Union[int, Tensor]) -> int:
