@@ -722,9 +722,14 @@ def test_install_uninstall_restore_tables_exactly(torch_rules: None) -> None:
     assert aten.copy_.default in prop.op_strategy_funcs
     assert prop.op_to_schema_info[aten.view.dtype].static_argnum == 1
     report = {(o.op, o.table): o for o in rules.installed()}
-    since = _compat.VIEW_DTYPE_STRATEGY_SINCE
-    view_action = "replaced" if _compat.TORCH_VERSION >= since else "added"
+    # torch <= 2.6 had no view.dtype strategy, 2.7-2.13 one in op_strategy_funcs (replaced), 2.14
+    # one in op_single_dim_strategy_funcs (removed there, so that the added op strategy wins)
+    torch_view = [t for t in ("op_strategy_funcs", "op_single_dim_strategy_funcs") if aten.view.dtype in original[t]]
+    view_action = "replaced" if "op_strategy_funcs" in torch_view else "added"
     assert report[("aten.view.dtype", "op_strategy_funcs")].action == view_action
+    if "op_single_dim_strategy_funcs" in torch_view:
+        assert report[("aten.view.dtype", "op_single_dim_strategy_funcs")].action == "removed"
+    assert aten.view.dtype not in prop.op_single_dim_strategy_funcs
     assert report[("aten.random_.default", "op_strategy_funcs")].action == "added"
     assert report[("aten.copy_.default", "op_single_dim_strategy_funcs")].action == "removed"
     assert all(o.reason for o in rules.installed())
@@ -737,7 +742,10 @@ def test_install_uninstall_restore_tables_exactly(torch_rules: None) -> None:
 def test_version_gate_adds_view_dtype_rule_when_torch_has_none(torch_rules: None) -> None:
     """torch <= 2.6 had no view.dtype strategy: the rule is then added, and removed again."""
     prop = _compat.propagator()
-    saved = prop.op_strategy_funcs.pop(aten.view.dtype)
+    # torch's own entry, wherever this torch keeps it (2.14: the single-dim table)
+    tables = (prop.op_strategy_funcs, prop.op_single_dim_strategy_funcs)
+    saved = [(table, table.pop(aten.view.dtype)) for table in tables if aten.view.dtype in table]
+    assert saved
     try:
         rules.install()
         actions = {o.table: o.action for o in rules.installed() if o.op == "aten.view.dtype"}
@@ -746,7 +754,8 @@ def test_version_gate_adds_view_dtype_rule_when_torch_has_none(torch_rules: None
         assert aten.view.dtype not in prop.op_strategy_funcs
     finally:
         rules.uninstall()
-        prop.op_strategy_funcs[aten.view.dtype] = saved
+        for table, entry in saved:
+            table[aten.view.dtype] = entry
         _compat.clear_sharding_caches()
 
 

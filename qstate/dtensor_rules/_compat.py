@@ -30,9 +30,9 @@ __all__ = [
 
 TORCH_VERSION = TorchVersion(torch.__version__)
 
-# torch <= 2.6 registered no strategy at all for aten.view.dtype; from 2.7 on it
-# is registered (without schema info) next to clone/detach in _tensor_ops.py.
-VIEW_DTYPE_STRATEGY_SINCE = (2, 7)
+# torch's own aten.view.dtype strategy: none up to 2.6, in op_strategy_funcs (without schema info,
+# next to clone/detach in _tensor_ops.py) in 2.7-2.13, in op_single_dim_strategy_funcs in 2.14;
+# installing qstate's rule replaces, adds or removes accordingly (``installed()`` says which).
 
 
 def dispatcher() -> Any:
