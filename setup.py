@@ -17,5 +17,9 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "expecttest", "scikit-learn"],
         "bench": ["matplotlib"],
+        # the demo's multi-rank steps that pass Python objects (torch.distributed's *_object
+        # collectives, which torch.distributed.checkpoint's save uses) need numpy, which torch's
+        # wheel does not install
+        "demo": ["numpy"],
     },
 )
