@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
+from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_fused
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -95,6 +96,11 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
 
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
+    if not call.eager:
+        prepared = _cpu_kernel.prepared((call.rule, call.flags, call.stochastic_round), param, grad, states)
+        if prepared is not None:
+            prepared(param, grad, hyper)
+            return
     if not call.eager and fusable(param, grad, states):
         run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
                   hyper)

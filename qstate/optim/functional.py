@@ -172,8 +172,13 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     batches: dict[tuple, tuple[Tensor, str, list, list, list]] = {}
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
-        st = list(st)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
+        if compile:  # the C kernel's call of an earlier step, if nothing it relies on changed
+            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
+            if call is not None:
+                call(p, g, scalars.host(step))
+                continue
+        st = list(st)
         small = _small_and_plain(p, st)
         spec = KernelSpec.of(rule.name, static, p, st, sr) if small and compile else None
         if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind

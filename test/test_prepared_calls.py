@@ -1,0 +1,175 @@
+"""Prepared C-kernel calls (``qstate/optim/_cpu_kernel.py``, ``PreparedCall``): a later step reuses its
+parameter's call only while everything the call relies on is unchanged, and gives exactly what the
+full path gives (the reference: the same optimizer on equal parameters, its steps run with no
+prepared call found)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+
+import pytest
+import torch
+
+from qstate.optim import AdamW, _cpu_kernel, cpu_kernel_enabled
+
+
+def _model() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(8, 640)), torch.nn.Parameter(torch.randn(640))]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return [torch.randn(8, 640, generator=gen), torch.randn(640, generator=gen)]
+
+
+@contextlib.contextmanager
+def _full_path():
+    """Within the block no prepared call is found: every C-kernel update takes the full path."""
+    found = _cpu_kernel.prepared
+    _cpu_kernel.prepared = lambda *args: None
+    try:
+        yield
+    finally:
+        _cpu_kernel.prepared = found
+
+
+class _Twin:
+    """Two optimizers over equal parameters; ``ref`` steps on the full path (:func:`_full_path`)."""
+
+    def __init__(self, fmt: str = "8bit"):
+        self.ps, self.ref_ps = _model(), _model()
+        # min_quantize_numel: the weight's states are quantized, the bias's plain (two kernel kinds)
+        self.opt = AdamW(self.ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=4096)
+        self.ref = AdamW(self.ref_ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=4096)
+
+    def step(self, step: int, grads=None) -> None:
+        grads = grads or _grads(step)
+        for p, q, g in zip(self.ps, self.ref_ps, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        self.opt.step()
+        with _full_path():
+            self.ref.step()
+
+    def assert_equal(self) -> None:
+        for p, q in zip(self.ps, self.ref_ps):
+            assert torch.equal(p, q)
+            for name, s in self.opt.state[p].items():
+                r = self.ref.state[q][name]
+                if isinstance(s, torch.Tensor) and type(s) is not torch.Tensor:
+                    assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
+                else:
+                    assert torch.equal(s, r), name
+
+
+@pytest.fixture
+def full_path_calls(monkeypatch) -> list:
+    """The parameters each full-path C-kernel call (``_cpu_kernel.run``) updated, in order."""
+    calls: list = []
+    run = _cpu_kernel.run
+
+    def counting(spec, p, g, states, hyper):
+        calls.append(p)
+        run(spec, p, g, states, hyper)
+
+    monkeypatch.setattr(_cpu_kernel, "run", counting)
+    return calls
+
+
+def test_later_steps_reuse_the_call_and_give_the_full_paths_results(full_path_calls):
+    twin = _Twin()
+    for step in range(3):
+        twin.step(step)
+        twin.assert_equal()
+    # the first step of each parameter, then only the reference's
+    ours = [p for p in full_path_calls if any(p is q for q in twin.ps)]
+    assert len(ours) == 2
+
+
+def _new_grad_dtype(twin):
+    for p in twin.ps + twin.ref_ps:
+        p.grad_dtype = None  # a gradient of another dtype than the parameter's (the kernel reads either)
+    return [g.bfloat16() for g in _grads(9)]
+
+
+def _strided_grad(twin):  # same shape, not contiguous: the eager math runs instead of the kernel
+    g = _grads(9)
+    return [torch.randn(640, 8).t(), g[1]]
+
+
+@pytest.mark.parametrize("change", ["grad dtype", "strided grad", "param storage", "state codes", "map version",
+                                    "loaded state"])
+def test_a_change_takes_the_full_path(change, full_path_calls):
+    twin = _Twin()
+    twin.step(0)
+    grads = None
+    weight, ref_weight = twin.ps[0], twin.ref_ps[0]
+    if change == "grad dtype":
+        grads = _new_grad_dtype(twin)
+    elif change == "strided grad":
+        grads = _strided_grad(twin)
+    elif change == "param storage":
+        old = weight.detach().clone()
+        storage = weight.data
+        weight.data = weight.data.clone()
+        ref_weight.data = ref_weight.data.clone()
+    elif change == "state codes":
+        for opt, p in ((twin.opt, weight), (twin.ref, ref_weight)):
+            opt.state[p]["exp_avg"].codes = opt.state[p]["exp_avg"].codes.clone()
+    elif change == "map version":
+        twin.opt.state[weight]["exp_avg_sq"].qmap.mul_(1.0)  # same values, a write
+    elif change == "loaded state":
+        twin.opt.load_state_dict(copy.deepcopy(twin.opt.state_dict()))  # new state objects
+        twin.ref.load_state_dict(copy.deepcopy(twin.ref.state_dict()))
+    full_path_calls.clear()
+    twin.step(1, grads)
+    twin.assert_equal()
+    if change == "param storage":
+        assert torch.equal(storage, old)  # the old storage is no longer the parameter's
+    if change != "strided grad":  # the eager math runs that update, never the kernel
+        assert any(p is weight for p in full_path_calls)
+
+
+def test_two_optimizers_over_one_parameter_keep_their_own_calls():
+    ps = _model()
+    first, second = (AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=4096) for fmt in ("8bit", "fp8"))
+    ref_ps = _model()
+    ref_first, ref_second = (AdamW(ref_ps, lr=1e-2, state_format=fmt, min_quantize_numel=4096)
+                             for fmt in ("8bit", "fp8"))
+    for step in range(3):
+        for opt, ref in ((first, ref_first), (second, ref_second)):
+            for p, q, g in zip(ps, ref_ps, _grads(step)):
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            with _full_path():
+                ref.step()
+            assert all(torch.equal(p, q) for p, q in zip(ps, ref_ps))
+    # per parameter one call of each optimizer (the references' replace each other)
+    assert sum(1 for c in _cpu_kernel._PREPARED.values() if any(c.param() is p for p in ps)) == 2 * len(ps)
+
+
+def test_calls_leave_with_their_parameters_and_states():
+    gc.collect()
+    _cpu_kernel.clear_prepared_calls()
+    twin = _Twin()
+    twin.step(0)
+    opt, ps = twin.opt, twin.ps
+    assert _cpu_kernel.prepared_calls() == 4  # the reference's too
+    p = ps[1]
+    kind = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
+    states = [opt.state[p][n] for n in ("exp_avg", "exp_avg_sq")]
+    assert _cpu_kernel.prepared(kind, p, p.grad, states) is not None
+    with cpu_kernel_enabled(False):
+        assert _cpu_kernel.prepared(kind, p, p.grad, states) is None
+    opt.state.clear()  # the next step makes new states: the old calls go with the old ones
+    del states
+    gc.collect()
+    assert _cpu_kernel.prepared_calls() == 2
+    twin.step(1)
+    assert _cpu_kernel.prepared_calls() == 4
+    del twin, opt, ps, p
+    gc.collect()
+    assert _cpu_kernel.prepared_calls() == 0
+
