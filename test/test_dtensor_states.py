@@ -150,9 +150,9 @@ class TestDTensorStatePins(expecttest.TestCase):
             g = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
             r = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate()])
             partial = DTensor.from_local(torch.zeros(8, 16), mesh, [Partial()])
-            self.assertExpectedInline(error(p, g, [r]), """ValueError: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
+            self.assertExpectedInline(error(p, g, [r]), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
             self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: params[0]: grad is a LocalTensor, expected a DTensor""")
-            self.assertExpectedInline(error(partial, partial, []), """ValueError: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            self.assertExpectedInline(error(partial, partial, []), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
             with self.assertRaises(ValueError) as info:  # the lists must pair up (DTensors or not)
                 fused_update([p, p], [g], [r], torch.zeros(9), "unused")
             self.assertExpectedInline(str(info.exception), """qstate::fused_update: expected one grad per param and the same number of states per param, got 2 params, 1 grads, 1 states""")
@@ -216,3 +216,35 @@ def test_optimizer_step_on_simulated_ranks_equals_the_unsharded_step():
     assert len(params) == WORLD and all(torch.equal(x, ref.detach()) for x in params)
     want = ref_opt.state[ref]["exp_avg"].dequantize()
     assert all(torch.equal(x.dequantize(), want) for x in exp_avgs)
+
+
+def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
+    # a gradient laid out unlike its parameter: qstate::fused_update rejects the batch before writing
+    # anything (LayoutMismatch); the step runs that parameter's math op by op, equal to the unsharded
+    # eager step (compile=False), and the other one's through the op, equal to the unsharded fused
+    # step (the two paths differ in the last bit here, which tells them apart)
+    from qstate.optim import AdamW
+
+    torch.manual_seed(0)
+    fulls = [torch.randn(10, 300), torch.randn(6, 512)]
+    grads = [[torch.randn(f.shape) for f in fulls] for _ in range(2)]
+    refs = {}
+    for compile in (True, False):
+        refs[compile] = [torch.nn.Parameter(f.clone()) for f in fulls]
+        ref_opt = AdamW(refs[compile], lr=1e-2, state_format="8bit", compile=compile)
+        for step_grads in grads:
+            for r, g in zip(refs[compile], step_grads):
+                r.grad = g.clone()
+            ref_opt.step()
+    with local_tensor.LocalTensorMode(WORLD):
+        mesh = init_device_mesh("cpu", (4,))
+        ps = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+        opt = AdamW(ps, lr=1e-2, state_format="8bit")
+        for step_grads in grads:
+            ps[0].grad = distribute_tensor(step_grads[0].clone(), mesh, [Shard(0)])
+            ps[1].grad = distribute_tensor(step_grads[1].clone(), mesh, [Replicate()])
+            opt.step()
+        params = [_ranks(p.full_tensor()) for p in ps]
+    for ranks, ref in zip(params, (refs[True][0], refs[False][1])):
+        assert len(ranks) == WORLD and all(torch.equal(x, ref.detach()) for x in ranks)
+    assert not torch.equal(refs[True][1], refs[False][1])

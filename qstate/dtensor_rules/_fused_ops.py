@@ -4,8 +4,9 @@ Algebra: an elementwise update of each ``param`` from its ``grad`` and ``states`
 replicated scalars commutes with any ``Shard``/``Replicate`` layout that all of
 them share: the update of a shard is the shard of the update. ``Partial``
 inputs (the sum of the shards is not a shard of the sum) and differing layouts
-would need communication; the rule rejects them instead, so the step issues
-zero collectives. ``hyper`` is a plain (replicated) tensor.
+would need communication; the rule rejects them instead (:class:`LayoutMismatch`,
+before any tensor is written), so the step issues zero collectives. ``hyper`` is
+a plain (replicated) tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from qstate._library import fused_update, states_per_param
 from qstate.distributed import _dtensor_type, _quantized_state_type
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "fused_update_handler", "layout_mismatch"]
+__all__ = ["RULES", "LayoutMismatch", "fused_update_handler", "layout_mismatch"]
+
+
+class LayoutMismatch(ValueError):
+    """``qstate::fused_update`` cannot run these DTensors shard by shard: their shapes, meshes or
+    placements differ, or a placement is ``Partial``. Raised before any tensor is written (the
+    optimizers then run those parameters' math op by op)."""
 
 
 def layout_mismatch(param, grad, states) -> Optional[Exception]:
@@ -41,13 +48,13 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
         other = t._spec
         if ((other.mesh is not mesh and other.mesh != mesh)
                 or (other.placements is not placements and other.placements != placements) or t.shape != shape):
-            return ValueError(
+            return LayoutMismatch(
                 f"{_name(i)} must match param (shape {tuple(shape)}, placements {placements} on "
                 f"{mesh}), got shape {tuple(t.shape)}, placements {other.placements} on {other.mesh}"
             )
     for pl in placements:
         if pl.is_partial():
-            return ValueError(f"Partial placements {placements} are not shards of the update; redistribute first")
+            return LayoutMismatch(f"Partial placements {placements} are not shards of the update; redistribute first")
     return None
 
 

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
-from ..dtensor_rules._fused_ops import layout_mismatch
+from ..dtensor_rules._fused_ops import LayoutMismatch, layout_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update
 from ._kernels import KernelSpec, fusable, run_fused
@@ -169,48 +169,97 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
-    batches: dict[tuple, tuple[Tensor, str, list, list, list]] = {}
+    batches: dict[tuple, _Batch] = {}
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
-        if compile:  # the C kernel's call of an earlier step, if nothing it relies on changed
-            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
-            if call is not None:
-                call(p, g, scalars.host(step))
-                continue
-        st = list(st)
-        small = _small_and_plain(p, st)
-        spec = KernelSpec.of(rule.name, static, p, st, sr) if small and compile else None
-        if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind
-            small = not _cpu_kernel.supports(spec, p.device, g.dtype)
-        if compile and not small and fusable(p, g, st):
-            spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
-            if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
-                _cpu_kernel.run(spec, p, g, st, scalars.host(step))
-            else:
-                run_fused(spec, p, g, st, scalars.hyper(step, p.device))
-        elif compile and not sr and _one_layout(p, g, st):
+        if not compile:
+            update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr)
+        elif is_dtensor(p):
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
             # compiled (or C) kernel, or for small plain states the C kernel does not take the
-            # eager math with the eager scalars (as for a plain tensor).
+            # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
+            # of a batch it rejects (LayoutMismatch, before any write), the parameters whose
+            # layouts differ run op by op and the others the op.
             # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
             # path draws from the positional stream of the DTensor rules (independent shards).
+            st = list(st)
+            if sr or not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
+                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+                continue
+            small = _small_and_plain(p, st)
+            if small:  # unless the C kernel takes the shards' kind
+                small = not _cpu_kernel.supports(KernelSpec.of(rule.name, static, p, st, sr), p.device, g.dtype)
             key = (small, step, p.device)
-            if key not in batches:
-                if small:
-                    hyper, call = eager_call(rule, static, sr, scalars.eager(step, p.device))
-                    kind = call_key(call)
-                else:
-                    hyper, kind = scalars.hyper(step, p.device), fused_kind(rule.name, static, sr)
-                batches[key] = (hyper, kind, [], [], [])
-            batch = batches[key]
-            batch[2].append(p)
-            batch[3].append(g)
-            batch[4].extend(st)
+            batch = batches.get(key)
+            if batch is None:
+                batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, small)
+            batch.add(p, g, st)
         else:
-            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
-    for hyper, kind, ps, gs, sts in batches.values():
-        fused_update(ps, gs, sts, hyper, kind)
+            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
+            if call is not None:  # the C kernel's call of an earlier step: nothing it relies on changed
+                call(p, g, scalars.host(step))
+            else:
+                _update_local(rule, flags, static, p, g, list(st), scalars, step, sr)
+    for batch in batches.values():
+        try:
+            batch.run()
+        except LayoutMismatch:  # raised before anything was written: the op takes the others
+            for p, g, st in batch.drop(lambda p, g, st: layout_mismatch(p, g, st) is not None):
+                update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr)
+            batch.run()
+
+
+def _update_local(rule, flags, static, p, g, st, scalars, step, sr) -> None:
+    """One update of a plain parameter with ``compile=True`` (module docstring, "Paths")."""
+    small = _small_and_plain(p, st)
+    spec = KernelSpec.of(rule.name, static, p, st, sr) if small else None
+    if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind
+        small = not _cpu_kernel.supports(spec, p.device, g.dtype)
+    if not small and fusable(p, g, st):
+        spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
+        if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
+            _cpu_kernel.run(spec, p, g, st, scalars.host(step))
+        else:
+            run_fused(spec, p, g, st, scalars.hyper(step, p.device))
+    else:
+        update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+
+
+class _Batch:
+    """The DTensor parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
+
+    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, small: bool):
+        self.step, self.sr = step, sr
+        if small:
+            self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
+            self.kind = call_key(call)
+        else:
+            self.hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.states: list[Tensor] = []
+
+    def add(self, p: Tensor, g: Tensor, states: list[Tensor]) -> None:
+        self.params.append(p)
+        self.grads.append(g)
+        self.states.extend(states)
+
+    def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor]]]:
+        """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them."""
+        n = len(self.states) // len(self.params)
+        members = [(p, g, self.states[i * n:(i + 1) * n]) for i, (p, g) in enumerate(zip(self.params, self.grads))]
+        self.params, self.grads, self.states, dropped = [], [], [], []
+        for p, g, st in members:
+            if which(p, g, st):
+                dropped.append((p, g, st))
+            else:
+                self.add(p, g, st)
+        return dropped
+
+    def run(self) -> None:
+        if self.params:
+            fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
@@ -223,11 +272,6 @@ SMALL_PLAIN_NUMEL = 65536
 def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
     # numel() of a DTensor is global: the same choice on every rank and world size
     return p.numel() < SMALL_PLAIN_NUMEL and not any(is_quantized_state(s) for s in states)
-
-
-def _one_layout(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-    """Whether DTensor's rule for ``qstate::fused_update`` runs this update shard by shard."""
-    return is_dtensor(p) and layout_mismatch(p, g, states) is None
 
 
 def _check_lists(what: str, **lists: Optional[Sequence]) -> None:
