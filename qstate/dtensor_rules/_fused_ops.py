@@ -37,17 +37,19 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     """
     DTensor = _dtensor_type()
     # checked every step: DTensor specs read once per tensor (``device_mesh``/``placements`` are
-    # properties over them), identity settles most compares, names are built only for an error
+    # properties over them; the spec's global shape is a plain attribute, the tensor's a sizes
+    # call), identity settles most compares, names are built only for an error
     tensors = (param, grad, *states)
     for i, t in enumerate(tensors):
         if not isinstance(t, DTensor):
             return TypeError(f"{_name(i)} is a {type(t).__name__}, expected a DTensor")
     spec = param._spec
-    mesh, placements, shape = spec.mesh, spec.placements, param.shape
+    mesh, placements, shape = spec.mesh, spec.placements, spec.shape
     for i, t in enumerate(tensors[1:], 1):
         other = t._spec
         if ((other.mesh is not mesh and other.mesh != mesh)
-                or (other.placements is not placements and other.placements != placements) or t.shape != shape):
+                or (other.placements is not placements and other.placements != placements)
+                or other.shape != shape):
             return LayoutMismatch(
                 f"{_name(i)} must match param (shape {tuple(shape)}, placements {placements} on "
                 f"{mesh}), got shape {tuple(t.shape)}, placements {other.placements} on {other.mesh}"

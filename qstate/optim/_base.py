@@ -269,9 +269,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def _stream(devices: set[torch.device], seed: int, group_index: int, step: int):
         """Run with the rounding stream of ``(seed, group_index, step)`` on ``devices``, then restore."""
-        if not devices:
-            yield
-            return
         saved = [(d, _get_rng(d)) for d in sorted(devices, key=str)]
         key = ((seed * 1_000_003 + group_index) * 1_000_003 + step) % 2**63
         try:
@@ -320,8 +317,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 work.append((gi, group, params, grads, states, steps, sr_devices))
         for gi, group, params, grads, states, steps, sr_devices in work:
             # the step being taken (the counts are CPU tensors) keys the rounding stream
-            step = 1 + max(int(s) for s in steps) if sr_devices else 0
-            with self._stream(sr_devices, group["seed"], gi, step):
+            stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
+                      else contextlib.nullcontext())
+            with stream:
                 F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
                                lr=group["lr"], compile=self.compile,
                                stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)

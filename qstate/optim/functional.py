@@ -131,8 +131,10 @@ class _Scalars:
 
 def _step_of(s: Union[int, Tensor]) -> int:
     if isinstance(s, Tensor):  # s += 1 as a read and a fill (cheaper than an add's dispatch), same value
-        s.fill_(int(s.item()) + 1)
-        return int(s.item())
+        step = int(s.item()) + 1
+        s.fill_(step)
+        # every dtype holds integers below 2**24 exactly (a float32 count beyond rounds: read it back)
+        return step if step < 2**24 else int(s.item())
     return int(s)
 
 
