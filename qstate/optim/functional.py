@@ -129,12 +129,16 @@ class _Scalars:
         return hyper
 
 
+#: step-count dtypes that hold every integer below 2**24 exactly
+_EXACT_COUNTS = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+
+
 def _step_of(s: Union[int, Tensor]) -> int:
     if isinstance(s, Tensor):  # s += 1 as a read and a fill (cheaper than an add's dispatch), same value
         step = int(s.item()) + 1
         s.fill_(step)
-        # every dtype holds integers below 2**24 exactly (a float32 count beyond rounds: read it back)
-        return step if step < 2**24 else int(s.item())
+        # a count the dtype holds exactly is not read back (others round, as the add would)
+        return step if step < 2**24 and s.dtype in _EXACT_COUNTS else int(s.item())
     return int(s)
 
 
