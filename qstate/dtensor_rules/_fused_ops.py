@@ -47,6 +47,8 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     mesh, placements, shape = spec.mesh, spec.placements, spec.shape
     for i, t in enumerate(tensors[1:], 1):
         other = t._spec
+        if other is spec:  # FSDP2 builds a parameter's sharded gradient on the parameter's own spec
+            continue
         if ((other.mesh is not mesh and other.mesh != mesh)
                 or (other.placements is not placements and other.placements != placements)
                 or other.shape != shape):
