@@ -12,6 +12,8 @@ import gc
 import pytest
 import torch
 
+import qstate
+
 from qstate.optim import AdamW, _cpu_kernel, cpu_kernel_enabled
 
 
@@ -173,3 +175,78 @@ def test_calls_leave_with_their_parameters_and_states():
     gc.collect()
     assert _cpu_kernel.prepared_calls() == 0
 
+
+
+def _one_by_one(monkeypatch) -> list:
+    """Make run_prepared run its calls one at a time (the reference); returns the group sizes it saw."""
+    sizes: list = []
+    run_prepared = _cpu_kernel.run_prepared
+
+    def one_by_one(calls, params, grads, hyper):
+        sizes.append(len(calls))
+        if _ONE_BY_ONE[0]:
+            for call, p, g in zip(calls, params, grads):
+                run_prepared([call], [p], [g], hyper)
+        else:
+            run_prepared(calls, params, grads, hyper)
+
+    monkeypatch.setattr(_cpu_kernel, "run_prepared", one_by_one)
+    return sizes
+
+
+_ONE_BY_ONE = [False]
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
+def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, monkeypatch):
+    # several shapes (ragged rows, an odd 4-bit row, 3-D, 1-D plain) in one step: the kernel's call over
+    # all of a kind's parameters gives each parameter what its own call gives
+    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (640,), (2, 2100)]
+
+    def model():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+
+    sizes = _one_by_one(monkeypatch)
+    runs = {}
+    for one_by_one in (False, True):
+        _ONE_BY_ONE[0] = one_by_one
+        ps = model()
+        opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[one_by_one] = (ps, opt)
+    _ONE_BY_ONE[0] = False
+    (ps, opt), (ref_ps, ref) = runs[False], runs[True]
+    assert max(sizes) > 1  # at least one kind ran several parameters in one call
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+        for name, s in opt.state[p].items():
+            r = ref.state[q][name]
+            if type(s) is torch.Tensor:
+                assert torch.equal(s, r), name
+            else:
+                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
+
+
+def test_a_parameter_listed_twice_is_updated_twice_in_order():
+    from qstate.optim import functional as F
+
+    results = []
+    for twice in (True, False):
+        p = torch.randn(8, 640, generator=torch.Generator().manual_seed(9))
+        m = qstate.zeros_like(p, "8bit", signed=True, dtype=torch.float32)
+        v = qstate.zeros_like(p, "8bit", signed=False, dtype=torch.float32)
+        gs = [torch.randn(8, 640, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, compile=True)
+        F.adamw([p], [gs[0]], [m], [v], [1], **kw)  # prepares the call
+        if twice:
+            F.adamw([p, p], gs[1:], [m, m], [v, v], [2, 3], **kw)
+        else:
+            F.adamw([p], [gs[1]], [m], [v], [2], **kw)
+            F.adamw([p], [gs[2]], [m], [v], [3], **kw)
+        results.append((p, m.codes, v.codes))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -64,8 +64,8 @@ from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
 
-__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "prepared", "prepared_calls",
-           "clear_prepared_calls"]
+__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "prepared", "run_prepared",
+           "prepared_calls", "clear_prepared_calls"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
@@ -295,6 +295,9 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,
                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    dll.qstate_update_many.restype = None
+    dll.qstate_update_many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState),
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return dll
 
 
@@ -367,7 +370,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
         loaded = _LIBS[key] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
     dll, tables = loaded
     arr, rows, row_len = state_slots(spec, p, states, tables)
-    call = PreparedCall(spec, p, g, states, dll.qstate_update, arr, rows, row_len)
+    call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len)
     call(p, g, hyper)
     _PREPARED[_key(p, states)] = call
 
@@ -391,14 +394,18 @@ class PreparedCall:
     still those, by identity and data pointer, before the slots are trusted again.
     """
 
-    __slots__ = ("kind", "fn", "slots", "rows", "row_len", "numel", "param", "states", "p_ptr", "p_dtype",
+    __slots__ = ("kind", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "param", "states", "p_ptr", "p_dtype",
                  "g_dtype", "g_shape", "buffers", "maps")
 
-    def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], fn, slots: ctypes.Array, rows: int,
-                 row_len: int):
+    def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
+                 rows: int, row_len: int):
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
-        self.fn, self.slots, self.rows, self.row_len, self.numel = fn, slots, rows, row_len, p.numel()
+        #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
+        self.fn, self.many = dll.qstate_update, dll.qstate_update_many
+        #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
+        self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
+        self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
         key = _key(p, states)
         forget = functools.partial(_forget, key, self)  # when the parameter or the first state dies
         self.param = weakref.ref(p, forget)
@@ -430,6 +437,29 @@ class PreparedCall:
     def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]]) -> None:
         self.fn(self.p_ptr, g.data_ptr(), self.slots, _hyper_arg(hyper), self.rows, self.row_len,
                 _threads(self.numel))
+        torch.autograd.graph.increment_version(p)
+
+
+def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads: Sequence[Tensor],
+                 hyper: Union[Tensor, Sequence[float]]) -> None:
+    """Valid prepared calls of one kernel (the same ``kernel``), each with its parameter and gradient, as one
+    C call: one parallel region over all their work items (a parameter may appear once)."""
+    if len(calls) == 1:
+        calls[0](params[0], grads[0], hyper)
+        return
+    n, per = len(calls), len(calls[0].slots)
+    slots = (_QState * (n * per))()
+    size, base = ctypes.sizeof(_QState) * per, ctypes.addressof(slots)
+    for k, call in enumerate(calls):
+        ctypes.memmove(base + k * size, call.slots, size)
+    ptrs = (ctypes.c_void_p * (2 * n))(*[c.p_ptr for c in calls], *[g.data_ptr() for g in grads])
+    shape = (ctypes.c_int64 * (3 * n + 1))(*[c.rows for c in calls], *[c.row_len for c in calls])
+    pos = ctypes.addressof(ptrs)
+    dims = ctypes.addressof(shape)
+    step = ctypes.sizeof(ctypes.c_int64) * n
+    calls[0].many(n, pos, pos + ctypes.sizeof(ctypes.c_void_p) * n, slots, _hyper_arg(hyper), dims, dims + step,
+                  dims + 2 * step, _threads(sum(c.numel for c in calls)))
+    for p in params:
         torch.autograd.graph.increment_version(p)
 
 

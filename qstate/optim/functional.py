@@ -176,6 +176,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     static = tuple(sorted(flags.items()))
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
     batches: dict[tuple, _Batch] = {}
+    ready = _ReadyCalls(scalars)
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
@@ -204,9 +205,10 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         else:
             call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
             if call is not None:  # the C kernel's call of an earlier step: nothing it relies on changed
-                call(p, g, scalars.host(step))
+                ready.add(call, p, g, step)
             else:
                 _update_local(rule, flags, static, p, g, list(st), scalars, step, sr)
+    ready.run()
     for batch in batches.values():
         try:
             batch.run()
@@ -230,6 +232,31 @@ def _update_local(rule, flags, static, p, g, st, scalars, step, sr) -> None:
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
     else:
         update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+
+
+class _ReadyCalls:
+    """Prepared C-kernel calls of this step, run together per (kernel, step): one C call and one parallel
+    region for all parameters of a kind (:func:`._cpu_kernel.run_prepared`)."""
+
+    def __init__(self, scalars: _Scalars):
+        self.scalars = scalars
+        self.groups: dict[tuple, tuple[list, list, list]] = {}
+        self.params: set[int] = set()
+
+    def add(self, call, p: Tensor, g: Tensor, step: int) -> None:
+        if id(p) in self.params:  # a parameter listed twice is updated twice, in order
+            self.run()
+        self.params.add(id(p))
+        group = self.groups.setdefault((call.kernel, step), ([], [], []))
+        group[0].append(call)
+        group[1].append(p)
+        group[2].append(g)
+
+    def run(self) -> None:
+        for (_, step), (calls, ps, gs) in self.groups.items():
+            _cpu_kernel.run_prepared(calls, ps, gs, self.scalars.host(step))
+        self.groups.clear()
+        self.params.clear()
 
 
 class _Batch:

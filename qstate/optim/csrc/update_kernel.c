@@ -555,19 +555,37 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
     FOR_STATES(ENCODE_BLOCKS)
 }
 
-/* The whole update: rows x row_len elements, split into (row, UNIT-segment) work items. */
-void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float *h, int64_t rows, int64_t row_len,
-                   int nthreads) {
-    const int64_t segs = (row_len + UNIT - 1) / UNIT;
-    const int64_t items = rows * segs;
+/* The update of n parameters of this kind in one parallel region: parameter k (rows[k] x row_len[k]
+ * elements, its states st[k * NSTATES ...]) owns work items first[k] .. first[k + 1] - 1, one per
+ * (row, UNIT-segment); ``first``: the caller's scratch of n + 1 entries. Every parameter's states
+ * share the kind's tables (those of st[0 .. NSTATES-1]). */
+void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, const qstate_t *st, const float *h,
+                        const int64_t *rows, const int64_t *row_len, int64_t *first, int nthreads) {
+    if (n <= 0) return;
+    first[0] = 0;
+    for (int64_t k = 0; k < n; k++) first[k + 1] = first[k] + rows[k] * ((row_len[k] + UNIT - 1) / UNIT);
     planes_t planes[NSTATES];
     enc8_t enc[NSTATES];
     FOR_STATES(MAKE_PLANES)
     FOR_STATES(MAKE_ENC8)
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t r = it / segs, c0 = (it % segs) * UNIT;
-        const int64_t len = (row_len - c0) < UNIT ? (row_len - c0) : UNIT;
-        update_segment(p + r * row_len, g + r * row_len, st, h, planes, enc, r, c0, len);
+    for (int64_t it = 0; it < first[n]; it++) {
+        int64_t lo = 0, hi = n - 1; /* the k with first[k] <= it < first[k + 1] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= it) lo = mid;
+            else hi = mid - 1;
+        }
+        const int64_t k = lo, segs = (row_len[k] + UNIT - 1) / UNIT, local = it - first[k];
+        const int64_t r = local / segs, c0 = (local % segs) * UNIT;
+        const int64_t len = (row_len[k] - c0) < UNIT ? (row_len[k] - c0) : UNIT;
+        update_segment(p[k] + r * row_len[k], g[k] + r * row_len[k], st + k * NSTATES, h, planes, enc, r, c0, len);
     }
+}
+
+/* The whole update of one parameter: rows x row_len elements (qstate_update_many with n = 1). */
+void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float *h, int64_t rows, int64_t row_len,
+                   int nthreads) {
+    int64_t first[2];
+    qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads);
 }
