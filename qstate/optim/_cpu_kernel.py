@@ -64,8 +64,8 @@ from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
 
-__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "prepared", "run_prepared",
-           "prepared_calls", "clear_prepared_calls"]
+__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "PendingCalls", "prepared",
+           "run_prepared", "prepared_calls", "clear_prepared_calls"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
@@ -461,6 +461,35 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
                   dims + 2 * step, _threads(sum(c.numel for c in calls)))
     for p in params:
         torch.autograd.graph.increment_version(p)
+
+
+class PendingCalls:
+    """Valid prepared calls collected over a step and run together (:func:`run_prepared`), one C call
+    per kernel and caller's group (the step: the scalars); a parameter added twice runs twice, in order."""
+
+    def __init__(self):
+        self.groups: dict[tuple, tuple[Union[Tensor, Sequence[float]], list, list, list]] = {}
+        self.params: set[int] = set()
+
+    def before(self, p: Tensor) -> None:
+        """Run the queue if it updates ``p``: an update of ``p`` outside it comes next."""
+        if id(p) in self.params:
+            self.run()
+
+    def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]]) -> None:
+        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group``."""
+        self.before(p)
+        self.params.add(id(p))
+        _, calls, ps, gs = self.groups.setdefault((call.kernel, group), (hyper, [], [], []))
+        calls.append(call)
+        ps.append(p)
+        gs.append(g)
+
+    def run(self) -> None:
+        for hyper, calls, ps, gs in self.groups.values():
+            run_prepared(calls, ps, gs, hyper)
+        self.groups.clear()
+        self.params.clear()
 
 
 #: (id(parameter), id(first state)) -> PreparedCall (weakly held tensors; an entry leaves with either)

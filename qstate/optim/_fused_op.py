@@ -47,6 +47,11 @@ class FusedCall:
     eager: bool = False
     tensor_scalars: tuple = ()
 
+    @property
+    def prepared_kind(self) -> tuple:
+        """The kind a prepared C-kernel call is checked against (``_cpu_kernel.prepared``)."""
+        return (self.rule, self.flags, self.stochastic_round)
+
 
 #: ``kind`` string -> call and call -> ``kind``; one entry per distinct optimizer configuration in the process
 _CALLS: dict[str, FusedCall] = {}
@@ -91,16 +96,19 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`)."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
+    pending = _cpu_kernel.PendingCalls()  # shards whose C-kernel call is prepared: one call per kernel
     for i, (param, grad) in enumerate(zip(params, grads)):
-        _update_shard(param, grad, list(states[i * n:(i + 1) * n]), hyper, call)
+        shard_states = list(states[i * n:(i + 1) * n])
+        prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states)
+        if prepared is not None:
+            pending.add(prepared, param, grad, None, hyper)
+        else:
+            pending.before(param)
+            _update_shard(param, grad, shard_states, hyper, call)
+    pending.run()
 
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
-    if not call.eager:
-        prepared = _cpu_kernel.prepared((call.rule, call.flags, call.stochastic_round), param, grad, states)
-        if prepared is not None:
-            prepared(param, grad, hyper)
-            return
     if not call.eager and fusable(param, grad, states):
         run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
                   hyper)

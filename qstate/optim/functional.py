@@ -176,13 +176,20 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     static = tuple(sorted(flags.items()))
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
     batches: dict[tuple, _Batch] = {}
-    ready = _ReadyCalls(scalars)
+    ready = _cpu_kernel.PendingCalls()
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
+        dtensor = is_dtensor(p)
+        # the C kernel's call of an earlier step, if nothing it relies on changed: queued, one call per kind
+        call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st) if compile and not dtensor else None
+        if call is not None:
+            ready.add(call, p, g, step, scalars.host(step))
+            continue
+        ready.before(p)
         if not compile:
             update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr)
-        elif is_dtensor(p):
+        elif dtensor:
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
             # compiled (or C) kernel, or for small plain states the C kernel does not take the
             # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
@@ -203,11 +210,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
                 batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, small)
             batch.add(p, g, st)
         else:
-            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
-            if call is not None:  # the C kernel's call of an earlier step: nothing it relies on changed
-                ready.add(call, p, g, step)
-            else:
-                _update_local(rule, flags, static, p, g, list(st), scalars, step, sr)
+            _update_local(rule, flags, static, p, g, list(st), scalars, step, sr)
     ready.run()
     for batch in batches.values():
         try:
@@ -232,31 +235,6 @@ def _update_local(rule, flags, static, p, g, st, scalars, step, sr) -> None:
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
     else:
         update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
-
-
-class _ReadyCalls:
-    """Prepared C-kernel calls of this step, run together per (kernel, step): one C call and one parallel
-    region for all parameters of a kind (:func:`._cpu_kernel.run_prepared`)."""
-
-    def __init__(self, scalars: _Scalars):
-        self.scalars = scalars
-        self.groups: dict[tuple, tuple[list, list, list]] = {}
-        self.params: set[int] = set()
-
-    def add(self, call, p: Tensor, g: Tensor, step: int) -> None:
-        if id(p) in self.params:  # a parameter listed twice is updated twice, in order
-            self.run()
-        self.params.add(id(p))
-        group = self.groups.setdefault((call.kernel, step), ([], [], []))
-        group[0].append(call)
-        group[1].append(p)
-        group[2].append(g)
-
-    def run(self) -> None:
-        for (_, step), (calls, ps, gs) in self.groups.items():
-            _cpu_kernel.run_prepared(calls, ps, gs, self.scalars.host(step))
-        self.groups.clear()
-        self.params.clear()
 
 
 class _Batch:
