@@ -4,14 +4,15 @@ On CPU the compiled 8bit/4bit/fp8 step is the C kernel; "compiled, inductor" row
 time the same optimizer with it off (``cpu_kernel_enabled(False)``).
 For each parameter count ``n`` every candidate optimizer holds its own states
 over one shared set of parameters (a ``[n / 1024, 1024]`` weight and a
-``[1024]`` bias) and gradients. After each candidate's first step (states,
+``[1024]`` bias, or with ``--weights K`` K weights of ``[n / K / 1024, 1024]``
+and K biases) and gradients. After each candidate's first step (states,
 compilation from an empty compile cache; timed on its own) the candidates are
 timed interleaved (see ``_common.py``) and each median step is divided by
 torch's fused fp32 AdamW's.
 torchao's and bitsandbytes' 8-bit AdamW join when importable; a candidate
 whose first step raises is dropped with a printed note.
 
-    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--only fused,8bit] [--out DIR]
+    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--weights 1] [--only fused,8bit] [--out DIR]
 
 Writes ``DIR/bench_step.json`` and, when matplotlib imports
 (``pip install -e ".[bench]"``), ``DIR/bench_step.png``.
@@ -64,17 +65,20 @@ def candidates() -> tuple[dict[str, Callable], list[str]]:
     return makers, notes
 
 
-def params_and_grads(n: int) -> list[torch.nn.Parameter]:
+def params_and_grads(n: int, weights: int = 1) -> list[torch.nn.Parameter]:
+    """``weights`` weights of ``[n / weights / 1024, 1024]`` and as many ``[1024]`` biases, with gradients."""
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(max(1, n // 1024), 1024)), torch.nn.Parameter(torch.randn(1024))]
+    rows = max(1, n // weights // 1024)
+    ps = [torch.nn.Parameter(torch.randn(rows, 1024)) for _ in range(weights)]
+    ps += [torch.nn.Parameter(torch.randn(1024)) for _ in range(weights)]
     for p in ps:
         p.grad = torch.randn_like(p)
     return ps
 
 
-def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[str]) -> dict:
+def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[str], weights: int = 1) -> dict:
     """One size: per candidate the median step (ms), its ratio to the baseline, state bytes and first step."""
-    ps = params_and_grads(n)
+    ps = params_and_grads(n, weights)
     numel = sum(p.numel() for p in ps)
     opts, rows = {}, {}
     for name, make in makers.items():
@@ -98,11 +102,11 @@ def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[st
     for row in rows.values():
         row["time_vs_fused"] = row["median_ms"] / base["median_ms"] if base else None
         row["memory_vs_fused"] = row["state_bytes"] / base["state_bytes"] if base else None
-    return {"numel": numel, "candidates": rows}
+    return {"numel": numel, "parameters": len(ps), "candidates": rows}
 
 
 def print_table(label: str, size: dict) -> None:
-    print(f"\n{label}: {size['numel']:,} parameters; ratios to {BASELINE} fp32 AdamW")
+    print(f"\n{label}: {size['numel']:,} elements in {size['parameters']} parameters; ratios to {BASELINE} fp32 AdamW")
     print(f"{'optimizer':26s} {'step ms':>9s} {'x fused':>8s} {'state B/param':>13s} {'first step s':>12s}")
     for name, r in size["candidates"].items():
         ratio = f"{r['time_vs_fused']:8.2f}" if r["time_vs_fused"] is not None else f"{'-':>8s}"
@@ -161,6 +165,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,16M,64M", help="parameter counts (K/M/G = 2**10/20/30)")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per candidate (median reported)")
+    ap.add_argument("--weights", type=int, default=1,
+                    help="split each size into this many [rows, 1024] weights, each with a [1024] bias")
     ap.add_argument("--only", default="", help="comma list of substrings of candidate names (baseline kept)")
     ap.add_argument("--out", default=RESULTS_DIR, help="directory for bench_step.json / .png")
     args = ap.parse_args()
@@ -175,7 +181,7 @@ def main() -> None:
                "notes": notes, "sizes": {}}
     for label in parse_list(args.sizes):
         print(f"== {label}", flush=True)
-        results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes)
+        results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes, args.weights)
     for label, size in results["sizes"].items():
         print_table(label, size)
     results["targets"] = targets(results["sizes"])
