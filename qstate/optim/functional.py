@@ -15,14 +15,17 @@ Paths
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
   ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
-  takes), except parameters with plain states and fewer than
+  takes: a parameter's later steps reuse its prepared call, and a step's
+  prepared calls of one kernel run as one C call), except parameters with
+  plain states and fewer than
   :data:`SMALL_PLAIN_NUMEL` elements (biases, norms) of kinds the C kernel
   does not take, which run eagerly: faster than a compiled kernel's call for
   them, and nothing to compile.
 * ``compile=True`` and a DTensor parameter whose gradient and states share its
   shape, mesh and (non-Partial) placements, without stochastic rounding: the
   operator ``qstate::fused_update``, which DTensor runs shard by shard with
-  the same kernels (``_fused_op.py``; no collectives).
+  the same kernels (``_fused_op.py``; no collectives). The op's rule checks the
+  layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
 * otherwise (``compile=False``, stochastic rounding on DTensors, other
   layouts, mixed devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
