@@ -448,17 +448,17 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
         calls[0](params[0], grads[0], hyper)
         return
     n, per = len(calls), len(calls[0].slots)
-    slots = (_QState * (n * per))()
-    size, base = ctypes.sizeof(_QState) * per, ctypes.addressof(slots)
+    slots = (_QState * (n * per))()  # parameter k's states at slots[k * per:(k + 1) * per]
+    size = ctypes.sizeof(_QState) * per
     for k, call in enumerate(calls):
-        ctypes.memmove(base + k * size, call.slots, size)
-    ptrs = (ctypes.c_void_p * (2 * n))(*[c.p_ptr for c in calls], *[g.data_ptr() for g in grads])
-    shape = (ctypes.c_int64 * (3 * n + 1))(*[c.rows for c in calls], *[c.row_len for c in calls])
-    pos = ctypes.addressof(ptrs)
-    dims = ctypes.addressof(shape)
-    step = ctypes.sizeof(ctypes.c_int64) * n
-    calls[0].many(n, pos, pos + ctypes.sizeof(ctypes.c_void_p) * n, slots, _hyper_arg(hyper), dims, dims + step,
-                  dims + 2 * step, _threads(sum(c.numel for c in calls)))
+        ctypes.memmove(ctypes.addressof(slots) + k * size, call.slots, size)
+    p_ptrs = (ctypes.c_void_p * n)(*[c.p_ptr for c in calls])
+    g_ptrs = (ctypes.c_void_p * n)(*[g.data_ptr() for g in grads])
+    rows = (ctypes.c_int64 * n)(*[c.rows for c in calls])
+    row_len = (ctypes.c_int64 * n)(*[c.row_len for c in calls])
+    first = (ctypes.c_int64 * (n + 1))()  # the kernel's scratch: each parameter's first work item
+    calls[0].many(n, p_ptrs, g_ptrs, slots, _hyper_arg(hyper), rows, row_len, first,
+                  _threads(sum(c.numel for c in calls)))
     for p in params:
         torch.autograd.graph.increment_version(p)
 
