@@ -1,17 +1,20 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``functional.apply_update`` calls the op for a DTensor parameter whose
-gradient and states share its layout; DTensor's handler for it
-(:mod:`qstate.dtensor_rules._fused_ops`) runs it on every shard, so the step
-code never unwraps a DTensor and issues no collectives. On the shard:
+``functional.apply_update`` calls the op for its DTensor parameters (without
+stochastic rounding); DTensor's handler for it
+(:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
+shares its parameter's layout (else ``LayoutMismatch``, before any write) and
+runs it on every shard, so the step code never unwraps a DTensor and issues
+no collectives. On the shard:
 
 * plain states: the ``CompositeExplicitAutograd`` kernel below;
 * :class:`~qstate.QuantizedState` states: the same function, registered in
   QuantizedState's op table (the subclass sees the op first).
 
 Both run :func:`~qstate.optim._kernels.run_fused` (one compiled graph per
-kernel kind, as for local tensors) when the shard is fusable, else the same
-rule math op by op; calls built by :func:`eager_call` (small plain states)
+kernel kind, as for local tensors) when the shard is fusable, or the shard's
+prepared C-kernel call where it has a valid one (queued: one call per
+kernel, as for local tensors), else the same rule math op by op; calls built by :func:`eager_call` (small plain states)
 always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
 registered by :func:`call_key` (rule, static flags, stochastic rounding,
 eager).
