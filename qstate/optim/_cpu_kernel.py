@@ -347,10 +347,9 @@ def _hyper_arg(hyper: Union[Tensor, Sequence[float]]) -> Union[int, ctypes.Array
     """The kernel's ``h`` argument: a contiguous float32 CPU tensor's pointer, else the values as a
     float32 array (Python floats, or a tensor of another dtype, layout or device)."""
     if isinstance(hyper, Tensor):
-        if hyper.dtype != torch.float32 or not hyper.is_contiguous() or hyper.device.type != "cpu":
-            hyper = hyper.detach().to("cpu", torch.float32).contiguous()
-            return (ctypes.c_float * hyper.numel())(*hyper.tolist())
-        return hyper.data_ptr()
+        if hyper.dtype == torch.float32 and hyper.is_contiguous() and hyper.device.type == "cpu":
+            return hyper.data_ptr()
+        hyper = hyper.detach().to("cpu", torch.float32).tolist()
     return (ctypes.c_float * len(hyper))(*hyper)
 
 
