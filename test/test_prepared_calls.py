@@ -177,24 +177,25 @@ def test_calls_leave_with_their_parameters_and_states():
 
 
 
-def _one_by_one(monkeypatch) -> list:
-    """Make run_prepared run its calls one at a time (the reference); returns the group sizes it saw."""
+
+_RUN_PREPARED = _cpu_kernel.run_prepared
+
+
+def _patch_run_prepared(monkeypatch, one_by_one: bool) -> list:
+    """Patch run_prepared to record each group's size and, if ``one_by_one``, run the group's calls one
+    at a time (the reference); returns the sizes."""
     sizes: list = []
-    run_prepared = _cpu_kernel.run_prepared
 
-    def one_by_one(calls, params, grads, hyper):
+    def patched(calls, params, grads, hyper):
         sizes.append(len(calls))
-        if _ONE_BY_ONE[0]:
+        if one_by_one:
             for call, p, g in zip(calls, params, grads):
-                run_prepared([call], [p], [g], hyper)
+                _RUN_PREPARED([call], [p], [g], hyper)
         else:
-            run_prepared(calls, params, grads, hyper)
+            _RUN_PREPARED(calls, params, grads, hyper)
 
-    monkeypatch.setattr(_cpu_kernel, "run_prepared", one_by_one)
+    monkeypatch.setattr(_cpu_kernel, "run_prepared", patched)
     return sizes
-
-
-_ONE_BY_ONE = [False]
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
@@ -207,10 +208,9 @@ def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, monkeyp
         torch.manual_seed(0)
         return [torch.nn.Parameter(torch.randn(s)) for s in shapes]
 
-    sizes = _one_by_one(monkeypatch)
-    runs = {}
+    runs, sizes = {}, {}
     for one_by_one in (False, True):
-        _ONE_BY_ONE[0] = one_by_one
+        sizes[one_by_one] = _patch_run_prepared(monkeypatch, one_by_one)
         ps = model()
         opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512)
         for step in range(3):
@@ -219,9 +219,8 @@ def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, monkeyp
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
         runs[one_by_one] = (ps, opt)
-    _ONE_BY_ONE[0] = False
     (ps, opt), (ref_ps, ref) = runs[False], runs[True]
-    assert max(sizes) > 1  # at least one kind ran several parameters in one call
+    assert max(sizes[False]) > 1  # at least one kind ran several parameters in one call
     for p, q in zip(ps, ref_ps):
         assert torch.equal(p, q)
         for name, s in opt.state[p].items():
