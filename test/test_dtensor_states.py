@@ -248,3 +248,50 @@ def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
     for ranks, ref in zip(params, (refs[True][0], refs[False][1])):
         assert len(ranks) == WORLD and all(torch.equal(x, ref.detach()) for x in ranks)
     assert not torch.equal(refs[True][1], refs[False][1])
+
+
+def test_optimizer_step_calls_the_op_handler_directly_where_nothing_could_intercept_it():
+    # rank 0 of the fake world, no LocalTensorMode: the optimizer calls fused_update_handler itself
+    # (call_fused_update), which gives exactly the rows of the unsharded step that rank 0 holds
+    # (rows 0-2 of 10 over 4 ranks); under a dispatch or function mode, with another handler
+    # installed, or for a DTensor subclass the op is called instead
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qstate.dtensor_rules import _fused_ops
+    from qstate.optim import AdamW
+
+    torch.manual_seed(0)
+    full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(2)]
+    ref = torch.nn.Parameter(full.clone())
+    ref_opt = AdamW([ref], lr=1e-2, state_format="8bit")
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def shard(t):
+        return DTensor.from_local(t[:3].clone(), mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+    p = torch.nn.Parameter(shard(full))
+    opt = AdamW([p], lr=1e-2, state_format="8bit")
+    for g in grads:
+        ref.grad, p.grad = g.clone(), shard(g)
+        ref_opt.step()
+        opt.step()
+    assert torch.equal(p.to_local(), ref.detach()[:3])
+    st = opt.state[p]
+    lists = ([p], [p.grad], [st["exp_avg"], st["exp_avg_sq"]])
+    assert _fused_ops._handler_is_reached(*lists)
+    with TorchDispatchMode():
+        assert not _fused_ops._handler_is_reached(*lists)
+    with TorchFunctionMode():
+        assert not _fused_ops._handler_is_reached(*lists)
+    qstate.dtensor_rules.uninstall()
+    try:
+        assert not _fused_ops._handler_is_reached(*lists)
+    finally:
+        qstate.dtensor_rules.install()
+    assert _fused_ops._handler_is_reached(*lists)
+
+    class Sub(DTensor):
+        pass
+
+    assert not _fused_ops._handler_is_reached([Sub(p.to_local(), p._spec, requires_grad=False)], *lists[1:])

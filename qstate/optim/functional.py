@@ -52,9 +52,9 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
-from ..dtensor_rules._fused_ops import LayoutMismatch, layout_mismatch
+from ..dtensor_rules._fused_ops import LayoutMismatch, call_fused_update, layout_mismatch
 from . import _cpu_kernel
-from ._fused_op import call_key, eager_call, fused_kind, fused_update
+from ._fused_op import call_key, eager_call, fused_kind
 from ._kernels import KernelSpec, fusable, run_fused
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -273,7 +273,7 @@ class _Batch:
 
     def run(self) -> None:
         if self.params:
-            fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
+            call_fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
