@@ -19,15 +19,25 @@ from __future__ import annotations
 
 import torch
 
-from typing import Sequence
+from typing import Sequence, Union
 
-__all__ = ["LIBRARY", "fused_update", "states_per_param"]
+__all__ = ["LIBRARY", "fused_update", "hyper_tensor", "states_per_param"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
 LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind) -> ()")
 
 fused_update = torch.ops.qstate.fused_update.default
+
+
+def hyper_tensor(hyper: Union[torch.Tensor, Sequence[float]]) -> torch.Tensor:
+    """The op's ``hyper`` argument from the scalar vector or its values as Python floats (float32).
+
+    Callers that reach the CPU kernels without the op (the DTensor handler called directly) may
+    carry the floats, which the C kernel reads without a tensor; the op itself takes a tensor."""
+    if isinstance(hyper, torch.Tensor):
+        return hyper
+    return torch.tensor(hyper, dtype=torch.float32)
 
 
 def states_per_param(params: Sequence, grads: Sequence, states: Sequence) -> int:

@@ -7,6 +7,9 @@ call, all compared with the unsharded quantized tensor.
 
 from __future__ import annotations
 
+import contextlib
+import unittest.mock
+
 import expecttest
 import pytest
 import torch
@@ -250,19 +253,25 @@ def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
     assert not torch.equal(refs[True][1], refs[False][1])
 
 
-def test_optimizer_step_calls_the_op_handler_directly_where_nothing_could_intercept_it():
-    # rank 0 of the fake world, no LocalTensorMode: the optimizer calls fused_update_handler itself
-    # (call_fused_update), which gives exactly the rows of the unsharded step that rank 0 holds
-    # (rows 0-2 of 10 over 4 ranks); under a dispatch or function mode, with another handler
-    # installed, or for a DTensor subclass the op is called instead
+def test_optimizer_step_runs_the_op_handler_or_its_prepared_shard_call_where_nothing_could_intercept_it():
+    # rank 0 of the fake world, no LocalTensorMode: the first step calls fused_update_handler itself
+    # (call_fused_update), later ones queue the shard's prepared C-kernel call (prepared_shard_call)
+    # and skip the op; under a dispatch mode the op runs. Each step gives exactly the rows of the
+    # unsharded step that rank 0 holds (rows 0-2 of 10 over 4 ranks). The op is called instead of
+    # its handler under a dispatch or function mode, with another handler installed, or for a
+    # DTensor subclass.
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from qstate.dtensor_rules import _fused_ops
     from qstate.optim import AdamW
 
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     torch.manual_seed(0)
-    full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(2)]
+    full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(4)]
     ref = torch.nn.Parameter(full.clone())
     ref_opt = AdamW([ref], lr=1e-2, state_format="8bit")
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -270,18 +279,33 @@ def test_optimizer_step_calls_the_op_handler_directly_where_nothing_could_interc
     def shard(t):
         return DTensor.from_local(t[:3].clone(), mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
 
+    shard_kernel = _fused_ops._shard_kernel()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return shard_kernel(*args, **kwargs)
+
     p = torch.nn.Parameter(shard(full))
     opt = AdamW([p], lr=1e-2, state_format="8bit")
-    for g in grads:
-        ref.grad, p.grad = g.clone(), shard(g)
-        ref_opt.step()
-        opt.step()
-    assert torch.equal(p.to_local(), ref.detach()[:3])
+    seen = []
+    with unittest.mock.patch.object(_fused_ops, "_shard_kernel", lambda: counted):
+        for i, g in enumerate(grads):
+            ref.grad, p.grad = g.clone(), shard(g)
+            ref_opt.step()
+            with PassThrough() if i == 2 else contextlib.nullcontext():
+                opt.step()
+            seen.append(len(calls))
+            assert torch.equal(p.to_local(), ref.detach()[:3])
+    # the handler's shard kernel ran at step 1 (directly) and step 3 (through the op), not at 2 and 4
+    assert seen == [1, 1, 2, 2]
     st = opt.state[p]
     lists = ([p], [p.grad], [st["exp_avg"], st["exp_avg_sq"]])
     assert _fused_ops._handler_is_reached(*lists)
+    assert _fused_ops.shards_of(p, p.grad, lists[2])[0] is p._local_tensor
     with TorchDispatchMode():
         assert not _fused_ops._handler_is_reached(*lists)
+        assert _fused_ops.shards_of(p, p.grad, lists[2]) is None
     with TorchFunctionMode():
         assert not _fused_ops._handler_is_reached(*lists)
     qstate.dtensor_rules.uninstall()
@@ -295,3 +319,6 @@ def test_optimizer_step_calls_the_op_handler_directly_where_nothing_could_interc
         pass
 
     assert not _fused_ops._handler_is_reached([Sub(p.to_local(), p._spec, requires_grad=False)], *lists[1:])
+    # a gradient laid out otherwise: no shards (the op then raises LayoutMismatch and the step runs it op by op)
+    assert _fused_ops.shards_of(p, DTensor.from_local(p.grad.to_local(), mesh, [Replicate()], run_check=False),
+                                lists[2]) is None

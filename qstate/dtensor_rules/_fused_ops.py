@@ -16,11 +16,11 @@ from typing import Callable, Optional
 
 import torch
 
-from qstate._library import fused_update, states_per_param
+from qstate._library import fused_update, hyper_tensor, states_per_param
 from qstate.distributed import _dtensor_type, _quantized_state_type
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "LayoutMismatch", "call_fused_update", "fused_update_handler", "layout_mismatch"]
+__all__ = ["RULES", "LayoutMismatch", "call_fused_update", "fused_update_handler", "layout_mismatch", "shards_of"]
 
 
 class LayoutMismatch(ValueError):
@@ -78,7 +78,7 @@ def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
     if _reaches_shard_kernel(local):
         _shard_kernel()(*local, hyper, kind, **kwargs)
     else:
-        op_call(*local, hyper, kind, **kwargs)
+        op_call(*local, hyper_tensor(hyper), kind, **kwargs)
 
 
 def call_fused_update(params, grads, states, hyper, kind: str) -> None:
@@ -91,11 +91,15 @@ def call_fused_update(params, grads, states, hyper, kind: str) -> None:
     being compiled, every tensor is exactly a ``DTensor`` and the handler installed for the op is
     this one (:func:`qstate.dtensor_rules.uninstall` removes it). Otherwise the op is called. The
     same handler runs either way, with the same checks and errors.
+
+    ``hyper``: the op's scalar vector, or on the CPU its values as Python floats, which the shards'
+    C kernel reads as they are (:func:`qstate._library.hyper_tensor` makes the tensor where one is
+    needed).
     """
     if _handler_is_reached(params, grads, states):
         fused_update_handler(fused_update, (params, grads, states, hyper, kind), {})
     else:
-        fused_update(params, grads, states, hyper, kind)
+        fused_update(params, grads, states, hyper_tensor(hyper), kind)
 
 
 def _handler_is_reached(*lists) -> bool:
@@ -109,6 +113,24 @@ def _handler_is_reached(*lists) -> bool:
     if DTensor._op_dispatcher._custom_op_handlers.get(fused_update) is not fused_update_handler:
         return False
     return all(type(t) is DTensor for tensors in lists for t in tensors)
+
+
+def shards_of(param, grad, states) -> Optional[tuple]:
+    """``(param, grad, states)``'s local shards, if :func:`call_fused_update` of this one update would
+    run the op's shard kernel on exactly them: nothing could intercept the op
+    (:func:`_handler_is_reached`), the layouts match (:func:`layout_mismatch`) and the shards reach
+    the shard kernel (:func:`_reaches_shard_kernel`). ``None`` otherwise.
+
+    Lets a caller that holds the shard kernel's prepared work for these shards run it without the
+    op (``qstate.optim._fused_op.prepared_shard_call``); it must then do exactly what the shard
+    kernel would.
+    """
+    if not _handler_is_reached((param, grad), states) or layout_mismatch(param, grad, states) is not None:
+        return None
+    local = ((param._local_tensor,), (grad._local_tensor,), [s._local_tensor for s in states])
+    if not _reaches_shard_kernel(local):
+        return None
+    return local[0][0], local[1][0], local[2]
 
 
 @functools.cache

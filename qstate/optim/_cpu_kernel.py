@@ -475,10 +475,17 @@ class PendingCalls:
         if id(p) in self.params:
             self.run()
 
-    def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]]) -> None:
-        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group``."""
+    def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]],
+            owner: Optional[Tensor] = None) -> None:
+        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group``.
+
+        ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
+        whose updates outside the queue (:meth:`before`) must also wait for this one."""
         self.before(p)
         self.params.add(id(p))
+        if owner is not None:
+            self.before(owner)
+            self.params.add(id(owner))
         _, calls, ps, gs = self.groups.setdefault((call.kernel, group), (hyper, [], [], []))
         calls.append(call)
         ps.append(p)

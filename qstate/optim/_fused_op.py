@@ -1,11 +1,14 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
 ``functional.apply_update`` calls the op for its DTensor parameters (without
-stochastic rounding); DTensor's handler for it
+stochastic rounding; ``call_fused_update``); DTensor's handler for it
 (:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
 shares its parameter's layout (else ``LayoutMismatch``, before any write) and
 runs it on every shard, so the step code never unwraps a DTensor and issues
-no collectives. On the shard:
+no collectives. A later step whose shard has a valid prepared C-kernel call,
+where the handler would run the shard kernel on that shard, queues the call
+without the op (:func:`prepared_shard_call`): what the op would run, bit for
+bit. On the shard:
 
 * plain states: the ``CompositeExplicitAutograd`` kernel below;
 * :class:`~qstate.QuantizedState` states: the same function, registered in
@@ -24,19 +27,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from .._library import LIBRARY, fused_update, states_per_param
+from .._library import LIBRARY, fused_update, hyper_tensor, states_per_param
 from ..ops import register
 from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_fused
+from ..dtensor_rules._fused_ops import shards_of
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "update_shards"]
+__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "prepared_shard_call", "update_shards"]
 
 
 @dataclass(frozen=True)
@@ -91,12 +95,13 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
     return h
 
 
-def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
-                  kind: str) -> None:
+def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
+                  hyper: Union[Tensor, Sequence[float]], kind: str) -> None:
     """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout).
 
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
-    reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`)."""
+    reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
+    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
     pending = _cpu_kernel.PendingCalls()  # shards whose C-kernel call is prepared: one call per kernel
@@ -111,7 +116,28 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     pending.run()
 
 
-def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
+def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
+                        states: Sequence[Tensor]) -> Optional[tuple[_cpu_kernel.PreparedCall, Tensor, Tensor]]:
+    """A DTensor parameter's update as the op would run it, without the op: its shard's valid
+    prepared C-kernel call (``kind``: :attr:`FusedCall.prepared_kind`), with the shard's parameter
+    and gradient, where the op's rule would run this update on exactly those shards
+    (:func:`~qstate.dtensor_rules._fused_ops.shards_of`), else ``None`` (call the op).
+
+    :func:`update_shards` would find and run the same prepared call with the same scalars, so the
+    result is the op's, bit for bit. A shard has a prepared call only after an update through the
+    op (its layouts checked) ran its C kernel; calls of the eager kind never prepare one.
+    """
+    shards = shards_of(param, grad, states)
+    if shards is None:
+        return None
+    p, g, shard_states = shards
+    call = _cpu_kernel.prepared(kind, p, g, shard_states)
+    return None if call is None else (call, p, g)
+
+
+def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Union[Tensor, Sequence[float]],
+                  call: FusedCall) -> None:
+    hyper = hyper_tensor(hyper)
     if not call.eager and fusable(param, grad, states):
         run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
                   hyper)

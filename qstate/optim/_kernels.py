@@ -50,8 +50,7 @@ from __future__ import annotations
 
 import math
 import types
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -66,8 +65,10 @@ from ._rounding import store_param
 __all__ = ["KernelSpec", "get_kernel", "kernel_kinds", "run_fused"]
 
 
-@dataclass(frozen=True)
-class KernelSpec:
+class KernelSpec(NamedTuple):
+    """A kernel kind: what one compiled graph (or C kernel) is built for, never a shape. A named tuple:
+    it keys the kernel caches, and is built and looked up on every step that cannot reuse a call."""
+
     rule: str
     flags: tuple  # sorted (name, value) pairs of the rule's static flags
     param_dtype: torch.dtype

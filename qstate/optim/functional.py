@@ -26,6 +26,9 @@ Paths
   operator ``qstate::fused_update``, which DTensor runs shard by shard with
   the same kernels (``_fused_op.py``; no collectives). The op's rule checks the
   layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
+  Later steps queue the shard's prepared C-kernel call with the plain
+  parameters' where the op would run exactly that call on the CPU
+  (``_fused_op.prepared_shard_call``).
 * otherwise (``compile=False``, stochastic rounding on DTensors, other
   layouts, mixed devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
@@ -54,7 +57,7 @@ from torch import Tensor
 from ..distributed import is_dtensor, is_quantized_state
 from ..dtensor_rules._fused_ops import LayoutMismatch, call_fused_update, layout_mismatch
 from . import _cpu_kernel
-from ._fused_op import call_key, eager_call, fused_kind
+from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
 from ._kernels import KernelSpec, fusable, run_fused
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -112,6 +115,14 @@ class _Scalars:
                      for v in (self.given[n] for n in self._CALLER)]
             self._host[step] = (*given, *(f[n] for n in self.rule.scalar_names[len(self._CALLER):]))
         return self._host[step]
+
+    def shard_hyper(self, step: int, device: torch.device) -> Union[Tensor, tuple[float, ...]]:
+        """:meth:`hyper` for ``qstate::fused_update`` on DTensors: on the CPU (no tensor ``lr`` or
+        ``grad_unscale``) its values as :meth:`host` floats, which the shards' C kernel reads
+        without a tensor (``call_fused_update`` makes the tensor where one is needed)."""
+        if device.type == "cpu" and not self._tensors:
+            return self.host(step)
+        return self.hyper(step, device)
 
     def hyper(self, step: int, device: torch.device) -> Tensor:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
@@ -184,11 +195,18 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         dtensor = is_dtensor(p)
-        # the C kernel's call of an earlier step, if nothing it relies on changed: queued, one call per kind
-        call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st) if compile and not dtensor else None
-        if call is not None:
-            ready.add(call, p, g, step, scalars.host(step))
-            continue
+        # the C kernel's call of an earlier step, if nothing it relies on changed: queued, one call per
+        # kind; for a DTensor its shard's, where the op would run that call (never with stochastic rounding)
+        if compile and not dtensor:
+            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
+            if call is not None:
+                ready.add(call, p, g, step, scalars.host(step))
+                continue
+        elif compile and not sr:
+            found = prepared_shard_call((rule.name, static, sr), p, g, st)
+            if found is not None:
+                ready.add(found[0], found[1], found[2], step, scalars.host(step), owner=p)
+                continue
         ready.before(p)
         if not compile:
             update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr)
@@ -249,7 +267,7 @@ class _Batch:
             self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
         else:
-            self.hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+            self.hyper, self.kind = scalars.shard_hyper(step, device), fused_kind(rule.name, static, sr)
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
