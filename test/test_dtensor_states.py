@@ -301,24 +301,24 @@ def test_optimizer_step_runs_the_op_handler_or_its_prepared_shard_call_where_not
     assert seen == [1, 1, 2, 2]
     st = opt.state[p]
     lists = ([p], [p.grad], [st["exp_avg"], st["exp_avg_sq"]])
-    assert _fused_ops._handler_is_reached(*lists)
+    assert _fused_ops.handler_is_reached() and _fused_ops._all_dtensors(*lists)
     assert _fused_ops.shards_of(p, p.grad, lists[2])[0] is p._local_tensor
     with TorchDispatchMode():
-        assert not _fused_ops._handler_is_reached(*lists)
-        assert _fused_ops.shards_of(p, p.grad, lists[2]) is None
+        assert not _fused_ops.handler_is_reached()
     with TorchFunctionMode():
-        assert not _fused_ops._handler_is_reached(*lists)
+        assert not _fused_ops.handler_is_reached()
     qstate.dtensor_rules.uninstall()
     try:
-        assert not _fused_ops._handler_is_reached(*lists)
+        assert not _fused_ops.handler_is_reached()
     finally:
         qstate.dtensor_rules.install()
-    assert _fused_ops._handler_is_reached(*lists)
+    assert _fused_ops.handler_is_reached()
 
     class Sub(DTensor):
         pass
 
-    assert not _fused_ops._handler_is_reached([Sub(p.to_local(), p._spec, requires_grad=False)], *lists[1:])
+    sub = Sub(p.to_local(), p._spec, requires_grad=False)
+    assert not _fused_ops._all_dtensors([sub], *lists[1:]) and _fused_ops.shards_of(sub, p.grad, lists[2]) is None
     # a gradient laid out otherwise: no shards (the op then raises LayoutMismatch and the step runs it op by op)
     assert _fused_ops.shards_of(p, DTensor.from_local(p.grad.to_local(), mesh, [Replicate()], run_check=False),
                                 lists[2]) is None

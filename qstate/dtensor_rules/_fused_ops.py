@@ -44,22 +44,33 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
         if not isinstance(t, DTensor):
             return TypeError(f"{_name(i)} is a {type(t).__name__}, expected a DTensor")
     spec = param._spec
-    mesh, placements, shape = spec.mesh, spec.placements, spec.shape
     for i, t in enumerate(tensors[1:], 1):
         other = t._spec
-        if other is spec:  # FSDP2 builds a parameter's sharded gradient on the parameter's own spec
-            continue
-        if ((other.mesh is not mesh and other.mesh != mesh)
-                or (other.placements is not placements and other.placements != placements)
-                or other.shape != shape):
+        if not _same_layout(spec, other):
             return LayoutMismatch(
-                f"{_name(i)} must match param (shape {tuple(shape)}, placements {placements} on "
-                f"{mesh}), got shape {tuple(t.shape)}, placements {other.placements} on {other.mesh}"
+                f"{_name(i)} must match param (shape {tuple(spec.shape)}, placements {spec.placements} on "
+                f"{spec.mesh}), got shape {tuple(t.shape)}, placements {other.placements} on {other.mesh}"
             )
-    for pl in placements:
-        if pl.is_partial():
-            return LayoutMismatch(f"Partial placements {placements} are not shards of the update; redistribute first")
+    if _has_partial(spec):
+        return LayoutMismatch(f"Partial placements {spec.placements} are not shards of the update; redistribute first")
     return None
+
+
+def _same_layout(spec, other) -> bool:
+    """Whether two DTensor specs have one global shape, mesh and placements. Asked every step:
+    identity settles most compares (FSDP2 builds a parameter's sharded gradient on the
+    parameter's own spec), and the spec's global shape is a plain attribute (the tensor's is a
+    sizes call)."""
+    if other is spec:
+        return True
+    mesh, placements = spec.mesh, spec.placements
+    return ((other.mesh is mesh or other.mesh == mesh)
+            and (other.placements is placements or other.placements == placements)
+            and other.shape == spec.shape)
+
+
+def _has_partial(spec) -> bool:
+    return any(pl.is_partial() for pl in spec.placements)
 
 
 def _name(i: int) -> str:
@@ -85,50 +96,64 @@ def call_fused_update(params, grads, states, hyper, kind: str) -> None:
     """``qstate::fused_update(params, grads, states, hyper, kind)`` on DTensors, as the optimizers call it.
 
     DTensor's dispatcher answers the op by calling :func:`fused_update_handler` (this module's
-    rule). Where nothing else could see the call, this calls the handler directly and saves the
-    dispatcher's hop, about 0.06 ms a step with cold caches (``benchmarks/bench_dtensor_step.py``):
-    no dispatch or function mode is active (``CommDebugMode``, ``FakeTensorMode``, ...), nothing is
-    being compiled, every tensor is exactly a ``DTensor`` and the handler installed for the op is
-    this one (:func:`qstate.dtensor_rules.uninstall` removes it). Otherwise the op is called. The
-    same handler runs either way, with the same checks and errors.
+    rule). Where nothing else could see the call (:func:`handler_is_reached` and every tensor
+    exactly a ``DTensor``), this calls the handler directly and saves the dispatcher's hop, about
+    0.06 ms a step with cold caches (``benchmarks/bench_dtensor_step.py``); otherwise it calls the
+    op. The same handler runs either way, with the same checks and errors.
 
     ``hyper``: the op's scalar vector, or on the CPU its values as Python floats, which the shards'
     C kernel reads as they are (:func:`qstate._library.hyper_tensor` makes the tensor where one is
     needed).
     """
-    if _handler_is_reached(params, grads, states):
+    if handler_is_reached() and _all_dtensors(params, grads, states):
         fused_update_handler(fused_update, (params, grads, states, hyper, kind), {})
     else:
         fused_update(params, grads, states, hyper_tensor(hyper), kind)
 
 
-def _handler_is_reached(*lists) -> bool:
-    """Whether DTensor's dispatcher would call :func:`fused_update_handler` on these lists and
-    nothing else could intercept the op (see :func:`call_fused_update`)."""
+def handler_is_reached() -> bool:
+    """Whether DTensor's dispatcher would hand ``qstate::fused_update`` on ``DTensor`` inputs to
+    :func:`fused_update_handler` with nothing able to intercept it: no dispatch or function mode is
+    active (``CommDebugMode``, ``FakeTensorMode``, ...), nothing is being compiled, and the handler
+    installed for the op is this one (:func:`qstate.dtensor_rules.uninstall` removes it). A
+    property of the moment, not of the tensors: asked once per step."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
     if torch.compiler.is_compiling():
         return False
+    return _dtensor_type()._op_dispatcher._custom_op_handlers.get(fused_update) is fused_update_handler
+
+
+def _all_dtensors(*lists) -> bool:
+    """Whether every tensor is exactly a ``DTensor`` (a subclass may dispatch otherwise)."""
     DTensor = _dtensor_type()
-    if DTensor._op_dispatcher._custom_op_handlers.get(fused_update) is not fused_update_handler:
-        return False
     return all(type(t) is DTensor for tensors in lists for t in tensors)
 
 
 def shards_of(param, grad, states) -> Optional[tuple]:
     """``(param, grad, states)``'s local shards, if :func:`call_fused_update` of this one update would
-    run the op's shard kernel on exactly them: nothing could intercept the op
-    (:func:`_handler_is_reached`), the layouts match (:func:`layout_mismatch`) and the shards reach
-    the shard kernel (:func:`_reaches_shard_kernel`). ``None`` otherwise.
+    run the op's shard kernel on exactly them, else ``None``. The caller has checked
+    :func:`handler_is_reached` (once per step); then it would when every tensor is exactly a
+    ``DTensor``, the layouts match (as :func:`layout_mismatch` checks) and the shards reach the
+    shard kernel (:func:`_reaches_shard_kernel`).
 
     Lets a caller that holds the shard kernel's prepared work for these shards run it without the
     op (``qstate.optim._fused_op.prepared_shard_call``); it must then do exactly what the shard
     kernel would.
     """
-    if not _handler_is_reached((param, grad), states) or layout_mismatch(param, grad, states) is not None:
+    DTensor = _dtensor_type()
+    if type(param) is not DTensor or type(grad) is not DTensor:
+        return None
+    spec = param._spec
+    if not _same_layout(spec, grad._spec):
+        return None
+    for s in states:
+        if type(s) is not DTensor or not _same_layout(spec, s._spec):
+            return None
+    if _has_partial(spec):
         return None
     local = ((param._local_tensor,), (grad._local_tensor,), [s._local_tensor for s in states])
-    if not _reaches_shard_kernel(local):
+    if not _local_types_reach_shard_kernel(local):
         return None
     return local[0][0], local[1][0], local[2]
 
@@ -147,8 +172,10 @@ def _reaches_shard_kernel(local: tuple) -> bool:
     no dispatch mode is active (``LocalTensorMode``, fake tensors, ...) and every tensor is a plain
     tensor (the op's ``CompositeExplicitAutograd`` kernel) or a ``QuantizedState`` (whose op table
     calls the same function). Calling it directly saves the second dispatch, about 0.01 ms a step."""
-    if torch._C._len_torch_dispatch_stack():
-        return False
+    return not torch._C._len_torch_dispatch_stack() and _local_types_reach_shard_kernel(local)
+
+
+def _local_types_reach_shard_kernel(local: tuple) -> bool:
     direct = (torch.Tensor, torch.nn.Parameter, _quantized_state_type())
     return all(type(t) in direct for tensors in local for t in tensors)
 

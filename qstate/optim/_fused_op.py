@@ -121,7 +121,8 @@ def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
     """A DTensor parameter's update as the op would run it, without the op: its shard's valid
     prepared C-kernel call (``kind``: :attr:`FusedCall.prepared_kind`), with the shard's parameter
     and gradient, where the op's rule would run this update on exactly those shards
-    (:func:`~qstate.dtensor_rules._fused_ops.shards_of`), else ``None`` (call the op).
+    (:func:`~qstate.dtensor_rules._fused_ops.shards_of`; the caller has checked
+    :func:`~qstate.dtensor_rules._fused_ops.handler_is_reached`), else ``None`` (call the op).
 
     :func:`update_shards` would find and run the same prepared call with the same scalars, so the
     result is the op's, bit for bit. A shard has a prepared call only after an update through the

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
-from ..dtensor_rules._fused_ops import LayoutMismatch, call_fused_update, layout_mismatch
+from ..dtensor_rules._fused_ops import LayoutMismatch, call_fused_update, handler_is_reached, layout_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
 from ._kernels import KernelSpec, fusable, run_fused
@@ -191,6 +191,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
     batches: dict[tuple, _Batch] = {}
     ready = _cpu_kernel.PendingCalls()
+    direct: Optional[bool] = None
     for p, g, st, s in zip(params, grads, states, state_steps):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
@@ -203,7 +204,9 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
                 ready.add(call, p, g, step, scalars.host(step))
                 continue
         elif compile and not sr:
-            found = prepared_shard_call((rule.name, static, sr), p, g, st)
+            if direct is None:  # whether the op would reach its DTensor handler: once per step
+                direct = handler_is_reached()
+            found = prepared_shard_call((rule.name, static, sr), p, g, st) if direct else None
             if found is not None:
                 ready.add(found[0], found[1], found[2], step, scalars.host(step), owner=p)
                 continue
