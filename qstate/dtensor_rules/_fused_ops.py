@@ -6,7 +6,13 @@ them share: the update of a shard is the shard of the update. ``Partial``
 inputs (the sum of the shards is not a shard of the sum) and differing layouts
 would need communication; the rule rejects them instead (:class:`LayoutMismatch`,
 before any tensor is written), so the step issues zero collectives. ``hyper`` is
-a plain (replicated) tensor.
+a plain (replicated) tensor, or its values as Python floats where the optimizers
+call the handler themselves (:func:`call_fused_update`).
+
+The optimizers reach the handler without DTensor's dispatcher where nothing
+could intercept the op (:func:`handler_is_reached`), and on later steps run a
+shard's prepared C-kernel call where the handler would run exactly that
+(:func:`shards_of`); under any dispatch or function mode they call the op.
 """
 
 from __future__ import annotations

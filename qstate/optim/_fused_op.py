@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from .._library import LIBRARY, fused_update, hyper_tensor, states_per_param
+from ..dtensor_rules._fused_ops import shards_of
 from ..ops import register
 from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_fused
-from ..dtensor_rules._fused_ops import shards_of
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
