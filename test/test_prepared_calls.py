@@ -249,3 +249,23 @@ def test_a_parameter_listed_twice_is_updated_twice_in_order():
             F.adamw([p], [gs[2]], [m], [v], [3], **kw)
         results.append((p, m.codes, v.codes))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queue(monkeypatch):
+    # PendingCalls.add(..., owner=X) (a DTensor parameter X queued through its shard's call): an update
+    # of X outside the queue (before(X)) runs the queue first; one of another tensor does not
+    ran = []
+    monkeypatch.setattr(_cpu_kernel, "run_prepared", lambda calls, ps, gs, hyper: ran.append(len(calls)))
+
+    class Call:
+        kernel = 1
+
+    pending = _cpu_kernel.PendingCalls()
+    shard, owner, other = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    pending.add(Call(), shard, shard, 0, (1.0,), owner=owner)
+    pending.before(other)
+    assert ran == []
+    pending.before(owner)
+    assert ran == [1]
+    pending.before(owner)  # nothing queued any more
+    assert ran == [1]
