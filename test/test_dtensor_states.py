@@ -322,3 +322,43 @@ def test_optimizer_step_runs_the_op_handler_or_its_prepared_shard_call_where_not
     # a gradient laid out otherwise: no shards (the op then raises LayoutMismatch and the step runs it op by op)
     assert _fused_ops.shards_of(p, DTensor.from_local(p.grad.to_local(), mesh, [Replicate()], run_check=False),
                                 lists[2]) is None
+
+
+@pytest.mark.parametrize("name, kwargs, op_steps", [
+    ("AdamW", dict(lr=1e-2, state_format="8bit"), 1),
+    ("AdamW", dict(lr=1e-2, state_format="4bit"), 1),  # stochastic 4-bit exp_avg: a hash of the value
+    ("AdamW", dict(lr=1e-2, state_format="fp8"), 1),
+    ("AdamW", dict(lr=1e-2, state_format="fp32"), 1),
+    ("Lion", dict(lr=1e-3, state_format="8bit"), 1),
+    ("SGD", dict(lr=1e-2, momentum=0.9, state_format="8bit"), 1),
+    ("SGD", dict(lr=1e-2), 4),  # no states: no C kernel, so no prepared call; the op every step
+])
+def test_every_rule_and_format_on_dtensor_equals_the_unsharded_steps_after_the_first(name, kwargs, op_steps):
+    # rank 0 of the fake world: four steps, the first through the op's handler and the later ones through
+    # the shard's prepared C-kernel call where the kind has one, each equal to the unsharded step's rows
+    import qstate.optim
+    from qstate.dtensor_rules import _fused_ops
+
+    torch.manual_seed(0)
+    full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(4)]
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def shard(t):
+        return DTensor.from_local(t[:3].clone(), mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+    ref, p = torch.nn.Parameter(full.clone()), torch.nn.Parameter(shard(full))
+    make = getattr(qstate.optim, name)
+    ref_opt, opt = make([ref], **kwargs), make([p], **kwargs)
+    shard_kernel, calls = _fused_ops._shard_kernel(), []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return shard_kernel(*args, **kw)
+
+    with unittest.mock.patch.object(_fused_ops, "_shard_kernel", lambda: counted):
+        for g in grads:
+            ref.grad, p.grad = g.clone(), shard(g)
+            ref_opt.step()
+            opt.step()
+            assert torch.equal(p.to_local(), ref.detach()[:3])
+    assert len(calls) == op_steps
