@@ -227,8 +227,9 @@ qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest wi
 @pytest.mark.parametrize("signed", [True, False])
 def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # _binade_tables' rule (the C kernel's encode8_64): bucket by sign, binade and top mantissa
-    # bits, then code = lower code c + (y > t_c); emulated here on every threshold and its float
-    # neighbours, map entries, specials and values over 9 decades, against Codec.encode
+    # bits, then code = lower code c + (y > t_c), with t_zero = +0 for unsigned states; emulated
+    # here on every threshold and its float neighbours, map entries, specials and values over 9
+    # decades, against Codec.encode
     from qstate.optim._codec import get_codec
 
     codec = get_codec("8bit", signed, "cpu")
@@ -243,7 +244,8 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     j = ((w >> 8) - _cpu_kernel._E_LOW).clamp(0, 31) + 32 * (y < 0).long()
     entry = binade.long()[j]
     code = bucket.long()[(entry & 0x1FF) + ((w & 0xFF) >> (entry >> 9))]
+    if not signed:  # make_enc8: t_zero = +0, so a positive value never takes the zero code by the compare
+        t = t.clone()
+        t[codec.zero_code] = 0.0
     code = code + (y > t[code]).long()
-    if not signed:
-        code = torch.where((code == codec.zero_code) & (y > 0), code + 1, code)
     assert torch.equal(code, codec.encode(y, codec.tables).long())

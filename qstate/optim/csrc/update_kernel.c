@@ -334,13 +334,18 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
  * and a 64-entry in-register table of words (vpermt2w), the lower code from 512 in-register bytes,
  * t_c from byte planes (lookup_planes): no gathers. */
 typedef struct {
-    planes_t threshold; /* t_c as byte planes */
+    planes_t threshold; /* t_c as byte planes (unsigned states: t_zero is 0, see make_enc8) */
     uint8_t bucket[512];
     uint16_t binade[64];
 } enc8_t;
 
-static void make_enc8(const qstate_t *s, enc8_t *out) {
+/* An unsigned state's positive values never take the zero code (Codec.encode): with t_zero = +0 the
+ * compare does it, since a bucket whose lower code is zero gives zero + (y > 0); every other bucket and
+ * y <= 0 (or NaN) keep their codes. */
+static void make_enc8(const qstate_t *s, enc8_t *out, int is_signed, int zero_code) {
     make_planes(s->threshold, &out->threshold);
+    if (!is_signed)
+        for (int k = 0; k < 4; k++) out->threshold.b[k][zero_code] = 0;
     memcpy(out->bucket, s->bucket, sizeof out->bucket);
     memcpy(out->binade, s->binade, sizeof out->binade);
 }
@@ -356,9 +361,10 @@ static const uint8_t LOW_BYTES[64] __attribute__((aligned(64))) = {
     52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100,
     102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
 
-/* codes of x[0..63] / div into out[0..63] (unsigned: a positive value never takes the zero code) */
+/* codes of x[0..63] / div into out[0..63] (unsigned: a positive value never takes the zero code, by the
+ * tables: make_enc8) */
 static inline void encode8_64(const float *restrict x, float div, const enc8_t *restrict E, const __m512i t[4][4],
-                              int is_signed, int zero_code, uint8_t *restrict out) {
+                              uint8_t *restrict out) {
     const __m512 vdiv = _mm512_set1_ps(div), vzero = _mm512_setzero_ps();
     const __m512i low_words = _mm512_load_si512(LOW_WORDS), low_bytes = _mm512_load_si512(LOW_BYTES);
     const __m512i b0 = _mm512_loadu_si512((const void *)(E->binade)), b1 = _mm512_loadu_si512((const void *)(E->binade + 32));
@@ -367,11 +373,10 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
     __m512 y[4];
     __m512i idx[2];
     __mmask32 upper[2];
-    __mmask16 neg[4], positive[4];
+    __mmask16 neg[4];
     for (int q = 0; q < 4; q++) {
         y[q] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * q), vdiv);
         neg[q] = _mm512_cmp_ps_mask(y[q], vzero, _CMP_LT_OQ);
-        positive[q] = _mm512_cmp_ps_mask(y[q], vzero, _CMP_GT_OQ);
     }
     for (int h = 0; h < 2; h++) {
         /* w: bits 30..15 of y (exponent | top 8 mantissa bits), 32 values as words */
@@ -401,12 +406,6 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
     const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(gt[3], gt[2]), _mm512_kunpackw(gt[1], gt[0]));
     const __m512i one = _mm512_set1_epi8(1);
     code = _mm512_mask_add_epi8(code, up, code, one);
-    if (!is_signed) {
-        const __mmask64 pos = _mm512_kunpackd(_mm512_kunpackw(positive[3], positive[2]),
-                                              _mm512_kunpackw(positive[1], positive[0]));
-        const __mmask64 at_zero = _mm512_cmpeq_epi8_mask(code, _mm512_set1_epi8((char)zero_code));
-        code = _mm512_mask_add_epi8(code, at_zero & pos, code, one);
-    }
     _mm512_storeu_si512((void *)out, code);
 }
 #endif
@@ -467,7 +466,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 /* whether state i encodes with encode8_64 (8-bit map, round to nearest, tables given) */
 #define ENC8(i) (S##i##_ENC8)
-#define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i));
+#define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i), S##i##_SIGNED, S##i##_ZERO);
 #if HAVE_VBMI
 #define DECLARE_ENC8(i)                                                                   \
     __m512i thr##i[4][4];                                                                 \
@@ -476,7 +475,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)                                            \
     if (ENC8(i))                                                                          \
         for (; (j0) + 64 <= (bn); (j0) += 64)                                             \
-            encode8_64((x) + (j0), (div), enc + (i), thr##i, S##i##_SIGNED, S##i##_ZERO, (out) + (j0));
+            encode8_64((x) + (j0), (div), enc + (i), thr##i, (out) + (j0));
 #else
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
