@@ -225,9 +225,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             if sr or not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
                 continue
-            small = _small_and_plain(p, st)
-            if small:  # unless the C kernel takes the shards' kind
-                small = not _cpu_kernel.supports(KernelSpec.of(rule.name, static, p, st, sr), p.device, g.dtype)
+            small, _ = _small_eager(rule, static, p, g, st, sr)
             key = (small, step, p.device)
             batch = batches.get(key)
             if batch is None:
@@ -247,10 +245,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr) -> None:
     """One update of a plain parameter with ``compile=True`` (module docstring, "Paths")."""
-    small = _small_and_plain(p, st)
-    spec = KernelSpec.of(rule.name, static, p, st, sr) if small else None
-    if spec is not None:  # small plain states run eagerly, unless the C kernel takes their kind
-        small = not _cpu_kernel.supports(spec, p.device, g.dtype)
+    small, spec = _small_eager(rule, static, p, g, st, sr)
     if not small and fusable(p, g, st):
         spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
         if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
@@ -302,6 +297,16 @@ class _Batch:
 #: 4096 elements (even at 65536), and no kernel to compile for them. Kinds the C kernel takes
 #: (``_cpu_kernel.supports``: on CPU, float32/bfloat16 states) run it at every size: about 0.01 ms
 SMALL_PLAIN_NUMEL = 65536
+
+
+def _small_eager(rule: UpdateRule, static: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
+                 sr: bool) -> tuple[bool, Optional[KernelSpec]]:
+    """Whether ``p``'s update runs the eager math as a small one with plain states (unless the C kernel
+    takes its kind), and the kind when it was built to decide (for a DTensor: its shards')."""
+    if not _small_and_plain(p, states):
+        return False, None
+    spec = KernelSpec.of(rule.name, static, p, states, sr)
+    return not _cpu_kernel.supports(spec, p.device, g.dtype), spec
 
 
 def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
