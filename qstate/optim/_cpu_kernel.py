@@ -458,8 +458,7 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
     first = (ctypes.c_int64 * (n + 1))()  # the kernel's scratch: each parameter's first work item
     calls[0].many(n, p_ptrs, g_ptrs, slots, _hyper_arg(hyper), rows, row_len, first,
                   _threads(sum(c.numel for c in calls)))
-    for p in params:
-        torch.autograd.graph.increment_version(p)
+    torch.autograd.graph.increment_version(params)
 
 
 class PendingCalls:
