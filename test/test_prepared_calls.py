@@ -269,3 +269,16 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
     assert ran == [1]
     pending.before(owner)  # nothing queued any more
     assert ran == [1]
+
+
+def test_a_grouped_call_bumps_every_parameters_version():
+    # the kernel writes through raw pointers: autograd must still see each in-place update
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 1024)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = AdamW(ps, lr=1e-3, state_format="8bit")
+    opt.step()  # the full path, which prepares the calls
+    before = [p._version for p in ps]
+    opt.step()  # one grouped call
+    assert [p._version for p in ps] == [v + 1 for v in before]
