@@ -105,6 +105,7 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
     pending = _cpu_kernel.PendingCalls()  # shards whose C-kernel call is prepared: one call per kernel
+    as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
         prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states)
@@ -112,7 +113,9 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
             pending.add(prepared, param, grad, None, hyper)
         else:
             pending.before(param)
-            _update_shard(param, grad, shard_states, hyper, call)
+            if as_tensor is None:
+                as_tensor = hyper_tensor(hyper)
+            _update_shard(param, grad, shard_states, as_tensor, call)
     pending.run()
 
 
@@ -136,9 +139,7 @@ def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
     return None if call is None else (call, p, g)
 
 
-def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Union[Tensor, Sequence[float]],
-                  call: FusedCall) -> None:
-    hyper = hyper_tensor(hyper)
+def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
     if not call.eager and fusable(param, grad, states):
         run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
                   hyper)
