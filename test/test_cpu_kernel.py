@@ -70,6 +70,7 @@ CASES = {
     "adamw_8bit_beta1_low": (_adamw_beta1_low, torch.float32, [("8bit", True, 256), ("8bit", False, 256)]),
     "lion_8bit_beta1_low": (_lion_beta1_low, torch.float32, [("8bit", True, 256)]),
     "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
+    "sgd_fp8_nesterov_bf16": (_sgd_4bit_nesterov, torch.bfloat16, [("fp8", True, 64)]),
     "adamw_fp32_states": (_adamw_8bit, torch.float32, [("fp32", True, 0), ("fp32", False, 0)]),
     "adam_amsgrad_bf16_states_bf16": (_adam_amsgrad, torch.bfloat16,
                                       [("bf16", True, 0), ("bf16", False, 0), ("bf16", False, 0)]),

@@ -32,7 +32,8 @@
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
  * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
- * the table's gathers (encode8_64: the same codes, from in-register tables); everything else,
+ * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
+ * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats); everything else,
  * and every tail, uses the scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
@@ -410,6 +411,33 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
 }
 #endif
 
+#if HAVE_VBMI
+/* fp8_code of 16 values at once, as bytes: the same integer and float steps in 32-bit lanes (the
+ * subnormal sum is the same float addition), truncated to bytes as ``& 0xff`` */
+static inline __m128i fp8_code16(__m512 y, int is_signed) {
+    const __m512i bits = _mm512_castps_si512(y), abs_mask = _mm512_set1_epi32(0x7fffffff);
+    const __m512i mag = _mm512_and_si512(bits, abs_mask), denorm_mask = _mm512_set1_epi32(141 << 23);
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(mag), _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd),
+        20);
+    __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(121 << 23)), normal, sub);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(1087 << 20)),
+                                 _mm512_set1_epi32(0x7f));
+    /* code | (bits >> 24 & 0x80): the sign bit */
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xf8);
+    if (!is_signed) {
+        const __m512 zero = _mm512_setzero_ps();
+        const __mmask16 low_zero = _mm512_testn_epi32_mask(code, _mm512_set1_epi32(0xff));
+        code = _mm512_mask_mov_epi32(code, low_zero & _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ), _mm512_set1_epi32(1));
+        code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ), _mm512_setzero_si512());
+    }
+    return _mm512_cvtepi32_epi8(code);
+}
+#endif
+
 /* out[j] = qmap[code j] * sc for j < n, 4-bit codes (code 2k: low nibble of byte k): 16 at a time
  * as one in-register lookup in the 16-entry map (vpermps) on AVX-512; the tail reads the table. */
 static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float *restrict qmap, float sc,
@@ -476,9 +504,16 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     if (ENC8(i))                                                                          \
         for (; (j0) + 64 <= (bn); (j0) += 64)                                             \
             encode8_64((x) + (j0), (div), enc + (i), thr##i, (out) + (j0));
+/* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
+    if (S##i##_FP8)                                                                       \
+        for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)      \
+            _mm_storeu_si128((__m128i *)((out) + (j0)),                                   \
+                             fp8_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), S##i##_SIGNED));
 #else
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
 
 /* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
@@ -498,6 +533,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         if (S##i##_BITS == 8) {                                                           \
             int64_t j0 = 0;                                                               \
             ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                    \
+            ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                                 \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0; j < bn; j++) {                                           \
