@@ -68,6 +68,8 @@ CASES = {
     "lion_8bit_block_100_stochastic": (_lion_8bit, torch.float32, [("8bit", True, 100, SR)]),
     "sgd_4bit_nesterov": (_sgd_4bit_nesterov, torch.float32, [("4bit", True, 128)]),
     "adamw_8bit_beta1_low": (_adamw_beta1_low, torch.float32, [("8bit", True, 256), ("8bit", False, 256)]),
+    # blocks that end inside a 64-value chunk: the pipelined encode's chunks, then each block's scalar tail
+    "adamw_8bit_blocks_100_96": (_adamw_8bit, torch.float32, [("8bit", True, 100), ("8bit", False, 96)]),
     "lion_8bit_beta1_low": (_lion_beta1_low, torch.float32, [("8bit", True, 256)]),
     "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
     "sgd_fp8_nesterov_bf16": (_sgd_4bit_nesterov, torch.bfloat16, [("fp8", True, 64)]),

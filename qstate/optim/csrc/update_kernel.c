@@ -362,16 +362,23 @@ static const uint8_t LOW_BYTES[64] __attribute__((aligned(64))) = {
     52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100,
     102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
 
-/* codes of x[0..63] / div into out[0..63] (unsigned: a positive value never takes the zero code, by the
- * tables: make_enc8) */
-static inline void encode8_64(const float *restrict x, float div, const enc8_t *restrict E, const __m512i t[4][4],
-                              uint8_t *restrict out) {
+/* encode8_64, the in-register encode of 64 values, in two stages: encode8_bucket gives y = x[0..63] / div
+ * and each value's bucket's lower code c, encode8_finish writes c + (y > t_c). The encode of a row segment runs them pipelined: the
+ * bucket stage of chunk k + 1, then the finish of chunk k (ENCODE8_VECTOR), so that each stage's long
+ * dependency chain overlaps the other's (0.8-0.88x the encode's time in one thread, the same codes). */
+typedef struct {
+    __m512 y[4];
+    __m512i code;
+} enc8_part_t;
+
+static inline enc8_part_t encode8_bucket(const float *restrict x, float div, const enc8_t *restrict E) {
+    enc8_part_t part;
+    __m512 *y = part.y;
     const __m512 vdiv = _mm512_set1_ps(div), vzero = _mm512_setzero_ps();
     const __m512i low_words = _mm512_load_si512(LOW_WORDS), low_bytes = _mm512_load_si512(LOW_BYTES);
     const __m512i b0 = _mm512_loadu_si512((const void *)(E->binade)), b1 = _mm512_loadu_si512((const void *)(E->binade + 32));
     const __m512i e_low = _mm512_set1_epi16(ENC8_E_LOW), j_max = _mm512_set1_epi16(31), neg_bit = _mm512_set1_epi16(32);
     const __m512i low8 = _mm512_set1_epi16(0xff), low9 = _mm512_set1_epi16(0x1ff), bit8 = _mm512_set1_epi16(256);
-    __m512 y[4];
     __m512i idx[2];
     __mmask32 upper[2];
     __mmask16 neg[4];
@@ -399,11 +406,18 @@ static inline void encode8_64(const float *restrict x, float div, const enc8_t *
                                                  _mm512_permutex2var_epi8(c[2], idx8, c[3]));
     const __m512i second = _mm512_mask_blend_epi8(top7, _mm512_permutex2var_epi8(c[4], idx8, c[5]),
                                                   _mm512_permutex2var_epi8(c[6], idx8, c[7]));
-    __m512i code = _mm512_mask_blend_epi8(_mm512_kunpackd(upper[1], upper[0]), first, second);
+    part.code = _mm512_mask_blend_epi8(_mm512_kunpackd(upper[1], upper[0]), first, second);
+    return part;
+}
+
+/* codes of the values of ``part`` into out[0..63] (unsigned: a positive value never takes the zero code, by
+ * the tables: make_enc8) */
+static inline void encode8_finish(const enc8_part_t *part, const __m512i t[4][4], uint8_t *restrict out) {
+    __m512i code = part->code;
     __m512 th[4];
     lookup_planes(t, code, th);
     __mmask16 gt[4];
-    for (int q = 0; q < 4; q++) gt[q] = _mm512_cmp_ps_mask(y[q], th[q], _CMP_GT_OQ);
+    for (int q = 0; q < 4; q++) gt[q] = _mm512_cmp_ps_mask(part->y[q], th[q], _CMP_GT_OQ);
     const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(gt[3], gt[2]), _mm512_kunpackw(gt[1], gt[0]));
     const __m512i one = _mm512_set1_epi8(1);
     code = _mm512_mask_add_epi8(code, up, code, one);
@@ -498,12 +512,21 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #if HAVE_VBMI
 #define DECLARE_ENC8(i)                                                                   \
     __m512i thr##i[4][4];                                                                 \
+    enc8_part_t pend##i;             /* the chunk whose finish is pending, */             \
+    uint8_t *pend_out##i = NULL;     /* and where its codes go (NULL: none) */            \
     if (ENC8(i)) load_planes(&enc[i].threshold, thr##i);
-/* codes of x[j0..] / div, 64 at a time, while 64 remain (j0 moves past them) */
+/* codes of x[j0..] / div, 64 at a time, while 64 remain (j0 moves past them): each chunk's bucket stage,
+ * then the finish of the chunk before it (of this block or an earlier one); FLUSH_ENC8 finishes the last */
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)                                            \
     if (ENC8(i))                                                                          \
-        for (; (j0) + 64 <= (bn); (j0) += 64)                                             \
-            encode8_64((x) + (j0), (div), enc + (i), thr##i, (out) + (j0));
+        for (; (j0) + 64 <= (bn); (j0) += 64) {                                           \
+            const enc8_part_t part_ = encode8_bucket((x) + (j0), (div), enc + (i));       \
+            if (pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);               \
+            pend##i = part_;                                                              \
+            pend_out##i = (out) + (j0);                                                   \
+        }
+#define FLUSH_ENC8(i)                                                                     \
+    if (ENC8(i) && pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
     if (S##i##_FP8)                                                                       \
@@ -513,9 +536,12 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #else
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
+#define FLUSH_ENC8(i)
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
 
+/* state i's new scales and codes in [c0, c0 + len) of row r */
+#define ENCODE_STATE(i) ENCODE_BLOCKS(i) FLUSH_ENC8(i)
 /* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
 #define ENCODE_BLOCKS(i)                                                                  \
     for (int64_t b0 = c0; !S##i##_PLAIN && b0 < c0 + len; b0 += S##i##_BS) {              \
@@ -587,7 +613,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         FOR_STATES(SAVE_GMAX)
     }
     FOR_STATES(DECLARE_ENC8)
-    FOR_STATES(ENCODE_BLOCKS)
+    FOR_STATES(ENCODE_STATE)
 }
 
 /* The update of n parameters of this kind in one parallel region: parameter k (rows[k] x row_len[k]
