@@ -77,7 +77,7 @@ _PLAIN_UNIT = 256
 #: the row segment of a kind with an ``encode8_64`` state: the smallest multiple of the block sizes'
 #: lcm at least this long, so that the encode runs over 1024 values per state in a row: 0.9x the
 #: kernel's time with 256-value segments (bench_kernel_ab, 8bit AdamW; 4bit and fp8 kinds, whose
-#: encodes are scalar, were 1.00-1.03x with longer segments and keep the lcm)
+#: encodes were scalar then, were 1.00-1.03x with longer segments and keep the lcm)
 _MIN_ENC8_UNIT = 1024
 #: parameter / gradient elements a kind with an ``encode8_64`` state prefetches ahead of the group it
 #: updates (rows are contiguous: they lie ahead in memory; a prefetch past the end is dropped). Beyond
@@ -155,6 +155,16 @@ def _in_register_encode(fmt: str, signed: bool, rounding: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _map16_thresholds(fmt: str, signed: bool) -> Optional[Tensor]:
+    """The code thresholds ``t_c`` (``float32 [16]``) of a 16-entry map, which ``map4_code16`` (C
+    source) searches for a 4-bit state's codes, or ``None`` for other formats."""
+    codec = get_codec(fmt, signed, "cpu")
+    if not (codec.lookup and codec.fmt.bits == 4 and codec.qmap.numel() == 16):
+        return None
+    return _code_thresholds(codec.qmap).contiguous()
 
 
 #: float8_e4m3fn's value of each code (NaN for 0x7f / 0xff): an fp8 state's decode table
@@ -238,7 +248,8 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define ENC8_E_LOW {_E_LOW}")
     for i, s in enumerate(spec.states):
         if s[0] == "plain":
-            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "BITS": 32, "BS": _PLAIN_UNIT,
+            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "ENC4": 0, "BITS": 32,
+                      "BS": _PLAIN_UNIT,
                       "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0,
                       "MAXCODE": "1.0f"}
             lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
@@ -246,6 +257,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
         codec = get_codec(s[1], s[2], "cpu")
         fp8 = not codec.lookup
         consts = {"PLAIN": 0, "BF16": 0, "ENC8": int(_in_register_encode(s[1], s[2], s[4])),
+                  "ENC4": int(_map16_thresholds(s[1], s[2]) is not None),
                   "BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
                   "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
                   "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s[4] == "stochastic"),
@@ -323,8 +335,11 @@ def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
     codec = get_codec(entry[1], entry[2], "cpu")
     if not codec.lookup:  # fp8: the values of the 256 codes (decode); no encode table
         return (_FP8_VALUES.data_ptr(), 0, 0, 0, 0)
-    encode = _binade_tables(entry[1], entry[2]) if _in_register_encode(entry[1], entry[2], entry[4]) else ()
-    pointers = [t.data_ptr() for t in (*codec.tables[:2], *encode)]
+    pointers = [t.data_ptr() for t in codec.tables[:2]]
+    if _in_register_encode(entry[1], entry[2], entry[4]):
+        pointers += [t.data_ptr() for t in _binade_tables(entry[1], entry[2])]
+    elif _map16_thresholds(entry[1], entry[2]) is not None:  # no binade and bucket tables
+        pointers += [0, 0, _map16_thresholds(entry[1], entry[2]).data_ptr()]
     return tuple(pointers + [0] * (5 - len(pointers)))
 
 

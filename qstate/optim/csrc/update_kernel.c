@@ -14,6 +14,8 @@
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
+ *   S<i>_ENC4                            a 16-entry map state encoded by map4_code16 (``threshold``: its
+ *                                        16 code thresholds)
  *   ENC8_E_LOW                           encode8_64's lowest binade exponent (_cpu_kernel._E_LOW)
  *   PREFETCH_AHEAD                       parameter / gradient elements ahead of the group being
  *                                        updated to prefetch (0: none; _cpu_kernel._ENC8_PREFETCH_AHEAD)
@@ -33,8 +35,9 @@
  * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
- * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats); everything else,
- * and every tail, uses the scalar definitions, which the portable build runs throughout.
+ * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
+ * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps); everything
+ * else, and every tail, uses the scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -66,7 +69,7 @@ typedef struct {
     /* 8-bit map states, round to nearest: the in-register encode's tables (encode8_64), or NULL */
     const uint16_t *binade;  /* [64] per (sign, binade): first bucket | (8 - mantissa bits) << 9 */
     const uint8_t *bucket;   /* [512] lower code of each bucket */
-    const float *threshold;  /* [256] t_c: the largest y whose nearest code is <= c */
+    const float *threshold;  /* [256] (4-bit maps: [16]) t_c: the largest y whose nearest code is <= c */
 } qstate_t;
 
 static inline uint32_t f2u(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
@@ -450,6 +453,37 @@ static inline __m128i fp8_code16(__m512 y, int is_signed) {
     }
     return _mm512_cvtepi32_epi8(code);
 }
+
+/* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
+ * not NaN (the packed table's NaN codes depend on the payload: callers take the scalar path for those).
+ * thr: the thresholds t_0..t_14 (lane 15 unused; an unsigned state's t_zero = +0, which keeps positive
+ * values off the zero code as ENCODE's bump does); the nearest code is the number of t_c below y, found
+ * in four halvings. sr: then stochastic_code's steps, with qmap the map's 16 values. */
+static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
+    __m512i c = _mm512_setzero_si512();
+    for (int step = 8; step >= 1; step /= 2) {
+        const __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), thr);
+        c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, t, _CMP_GT_OQ), c, _mm512_set1_epi32(step));
+    }
+    if (!sr) return c;
+    const __m512i one = _mm512_set1_epi32(1);
+    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(c, qmap), y, _CMP_GT_OQ), c, one);
+    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(14));
+    const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
+    __m512i h = _mm512_castps_si512(y); /* lowbias32 */
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x7feb352du));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x846ca68bu));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    const __m512 draw = _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8));
+    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
+                         (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
+                                             _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)),
+                                             _CMP_LT_OQ));
+    return _mm512_mask_add_epi32(c, up, c, one);
+}
 #endif
 
 /* out[j] = qmap[code j] * sc for j < n, 4-bit codes (code 2k: low nibble of byte k): 16 at a time
@@ -527,6 +561,22 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }
 #define FLUSH_ENC8(i)                                                                     \
     if (ENC8(i) && pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);
+/* 4-bit codes of x[j0..] / div, 16 at a time (8 bytes at bp + j0 / 2), while 16 remain and hold no NaN
+ * (j0 moves past them; the scalar loop takes the rest) */
+#define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
+    if (S##i##_ENC4) {                                                                    \
+        const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
+        __m512 t_ = _mm512_loadu_ps(st[i].threshold);                                     \
+        if (!S##i##_SIGNED) t_ = _mm512_mask_mov_ps(t_, (__mmask16)(1u << S##i##_ZERO), _mm512_setzero_ps()); \
+        for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
+            const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
+            if (_mm512_cmp_ps_mask(y_, y_, _CMP_UNORD_Q)) break;                         \
+            const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR);                        \
+            /* code 2k | code 2k + 1 << 4 in the low byte of each 64-bit lane */         \
+            _mm_storel_epi64((__m128i *)((bp) + (j0) / 2),                                \
+                             _mm512_cvtepi64_epi8(_mm512_or_si512(c_, _mm512_srli_epi64(c_, 28)))); \
+        }                                                                                 \
+    }
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
     if (S##i##_FP8)                                                                       \
@@ -537,6 +587,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
 #define FLUSH_ENC8(i)
+#define ENCODE4_VECTOR(i, x, bn, div, bp, j0)
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
 
@@ -570,8 +621,10 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         } else {                                                                          \
             uint8_t *restrict bp = cp + b0 / 2;                                           \
             const int64_t pairs = bn / 2;                                                 \
+            int64_t j0 = 0;                                                               \
+            ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                         \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
-            for (int64_t j = 0; j < pairs; j++) {                                         \
+            for (int64_t j = j0 / 2; j < pairs; j++) {                                    \
                 uint8_t lo, hi;                                                           \
                 ENCODE(i, x[2 * j] / div, lo);                                            \
                 ENCODE(i, x[2 * j + 1] / div, hi);                                        \
