@@ -310,3 +310,75 @@ def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path):
     if -1 in results.values():
         pytest.skip("this machine's build has no AVX-512 VBMI path")
     assert results == {key: 0 for key in results}
+
+
+_MAP4_CHECK = r"""
+#include "kernel.c"
+/* how many of the n values y[] (no NaN) get another code from map4_code16 than from the scalar ENCODE,
+ * for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind */
+int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int32_t *tab0, const float *thr0,
+                        const float *qmap1, const int32_t *tab1, const float *thr1, int state) {
+    int64_t bad = 0;
+#if HAVE_VBMI
+    __m512 t1 = _mm512_loadu_ps(thr1);
+    t1 = _mm512_mask_mov_ps(t1, (__mmask16)(1u << S1_ZERO), _mm512_setzero_ps());
+    for (int64_t k = 0; k + 16 <= n; k += 16) {
+        const __m512 v = _mm512_loadu_ps(y + k);
+        int32_t got[16];
+        _mm512_storeu_si512(got, state == 0 ? map4_code16(v, _mm512_loadu_ps(thr0), _mm512_loadu_ps(qmap0), S0_SR)
+                                            : map4_code16(v, t1, _mm512_loadu_ps(qmap1), S1_SR));
+        for (int i = 0; i < 16; i++) {
+            uint8_t want;
+            if (state == 0) ENCODE(0, y[k + i], want);
+            else ENCODE(1, y[k + i], want);
+            bad += got[i] != want;
+        }
+    }
+    return bad;
+#else
+    return -1;
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path):
+    # map4_code16 against ENCODE (the packed table, then stochastic rounding) for the two states of 4bit
+    # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials
+    import ctypes
+    import subprocess
+
+    from qstate.optim._codec import get_codec
+
+    p = torch.zeros(2, 256)
+    states = [qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic"),
+              qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)]
+    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
+    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
+    (tmp_path / "check.c").write_text(_MAP4_CHECK)
+    cc = _cpu_kernel._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    lib = tmp_path / "check.so"
+    subprocess.run([cc, *_cpu_kernel._CFLAGS, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
+                   cwd=tmp_path)
+    fn = ctypes.CDLL(str(lib)).map4_mismatches
+    fn.restype = ctypes.c_int64
+    bits = torch.arange(0, 0x3F800001, 512, dtype=torch.int64)  # 0 .. 1.0
+    sweep = bits.to(torch.int32).view(torch.float32)
+    marks = [torch.tensor([0.0, 1.0, 2.0**-149, 1e-30])]
+    for signed in (True, False):
+        codec = get_codec("4bit", signed, "cpu")
+        for v in (codec.qmap, _cpu_kernel._map16_thresholds("4bit", signed)):
+            marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
+    y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks]).clamp(-1, 1)
+    y = torch.cat([y, y[: (-y.numel()) % 16]]).contiguous()
+    tables = [_cpu_kernel._table_pointers(entry) for entry in spec.states]
+    args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
+    for qmap, table, _, _, threshold in tables:
+        args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table), ctypes.c_void_p(threshold)]
+    results = [fn(*args, ctypes.c_int(state)) for state in (0, 1)]
+    if -1 in results:
+        pytest.skip("this machine's build has no AVX-512 VBMI path")
+    assert results == [0, 0]
