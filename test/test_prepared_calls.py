@@ -176,6 +176,27 @@ def test_calls_leave_with_their_parameters_and_states():
     assert _cpu_kernel.prepared_calls() == 0
 
 
+def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
+    # at interpreter exit a parameter can die after the module's globals are gone: the call's weakref
+    # callback uses the registry it was made with, and raises nothing
+    import sys
+
+    gc.collect()
+    _cpu_kernel.clear_prepared_calls()
+    registry = _cpu_kernel._PREPARED
+    p = torch.nn.Parameter(torch.randn(8, 640))
+    p.grad = torch.randn(8, 640)
+    opt = AdamW([p], lr=1e-3, state_format="8bit")
+    opt.step()
+    assert len(registry) == 1
+    raised: list = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)
+    monkeypatch.setattr(_cpu_kernel, "_PREPARED", None)
+    del p, opt
+    gc.collect()
+    assert raised == [] and len(registry) == 0
+
+
 
 
 _RUN_PREPARED = _cpu_kernel.run_prepared

@@ -421,7 +421,9 @@ class PreparedCall:
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
         key = _key(p, states)
-        forget = functools.partial(_forget, key, self)  # when the parameter or the first state dies
+        # when the parameter or the first state dies; the registry is bound, not looked up: at interpreter
+        # exit the callback may run after this module's globals are gone
+        forget = functools.partial(_forget, _PREPARED, key, self)
         self.param = weakref.ref(p, forget)
         self.states = tuple(weakref.ref(s, forget if i == 0 else None) for i, s in enumerate(states))
         self.p_ptr, self.p_dtype = p.data_ptr(), p.dtype
@@ -522,10 +524,10 @@ def _key(p: Tensor, states: Sequence[Tensor]) -> tuple[int, int]:
     return id(p), id(states[0]) if states else 0
 
 
-def _forget(key: tuple[int, int], call: PreparedCall, _ref: weakref.ref) -> None:
+def _forget(registry: dict, key: tuple[int, int], call: PreparedCall, _ref: weakref.ref) -> None:
     """The parameter or first state of ``call`` died: drop its entry (unless a newer call owns the key)."""
-    if _PREPARED.get(key) is call:
-        del _PREPARED[key]
+    if registry.get(key) is call:
+        del registry[key]
 
 
 def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> Optional[PreparedCall]:
