@@ -146,7 +146,7 @@ def test_small_plain_states_run_the_c_kernel_with_its_results():
                                            ("fp8", "nearest")])
 def test_non_finite_gradients_match_the_inductor_kernel(fmt, rounding):
     # NaN propagates into the block's scale (as torch.amax), infinities saturate: as inductor's kernel
-    # (the vector encodes leave chunks with a NaN to the scalar one)
+    # (4bit: blocks whose scale is infinite or NaN keep the scalar encode)
     results = []
     for c_kernel in (True, False):
         gen = torch.Generator().manual_seed(0)

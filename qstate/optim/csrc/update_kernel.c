@@ -36,7 +36,8 @@
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
- * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps); everything
+ * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps; blocks
+ * with an infinite or NaN scale stay scalar); everything
  * else, and every tail, uses the scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
@@ -561,16 +562,16 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }
 #define FLUSH_ENC8(i)                                                                     \
     if (ENC8(i) && pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);
-/* 4-bit codes of x[j0..] / div, 16 at a time (8 bytes at bp + j0 / 2), while 16 remain and hold no NaN
- * (j0 moves past them; the scalar loop takes the rest) */
+/* 4-bit codes of x[j0..] / div, 16 at a time (8 bytes at bp + j0 / 2), while 16 remain (j0 moves past
+ * them; the scalar loop takes the rest). Not for a block whose scale is infinite or NaN: only those hold
+ * NaN values (|x| <= div otherwise), whose codes map4_code16 does not give. */
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
-    if (S##i##_ENC4) {                                                                    \
+    if (S##i##_ENC4 && (div) < INFINITY) {                                                \
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
         __m512 t_ = _mm512_loadu_ps(st[i].threshold);                                     \
         if (!S##i##_SIGNED) t_ = _mm512_mask_mov_ps(t_, (__mmask16)(1u << S##i##_ZERO), _mm512_setzero_ps()); \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
             const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
-            if (_mm512_cmp_ps_mask(y_, y_, _CMP_UNORD_Q)) break;                         \
             const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR);                        \
             /* code 2k | code 2k + 1 << 4 in the low byte of each 64-bit lane */         \
             _mm_storel_epi64((__m128i *)((bp) + (j0) / 2),                                \
