@@ -238,9 +238,9 @@ qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest wi
 @pytest.mark.parametrize("signed", [True, False])
 def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # _binade_tables' rule (the C kernel's encode8_64): bucket by sign, binade and top mantissa
-    # bits, then code = lower code c + (y > t_c), with t_zero = +0 for unsigned states; emulated
-    # here on every threshold and its float neighbours, map entries, specials and values over 9
-    # decades, against Codec.encode
+    # bits, then code = lower code c + (y > t_c), with the tables' t_zero = +0 for unsigned states;
+    # emulated here on every threshold and its float neighbours, map entries, specials and values over
+    # 9 decades, against Codec.encode
     from qstate.optim._codec import get_codec
 
     codec = get_codec("8bit", signed, "cpu")
@@ -255,11 +255,30 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     j = ((w >> 8) - _cpu_kernel._E_LOW).clamp(0, 31) + 32 * (y < 0).long()
     entry = binade.long()[j]
     code = bucket.long()[(entry & 0x1FF) + ((w & 0xFF) >> (entry >> 9))]
-    if not signed:  # make_enc8: t_zero = +0, so a positive value never takes the zero code by the compare
-        t = t.clone()
-        t[codec.zero_code] = 0.0
+    if not signed:  # _encode_thresholds: a positive value never takes the zero code, by the compare
+        assert float(t[codec.zero_code]) == 0.0
     code = code + (y > t[code]).long()
     assert torch.equal(code, codec.encode(y, codec.tables).long())
+
+
+def _checker(tmp_path, states: list, source: str, function: str):
+    """``function`` of ``source`` (C, which includes ``kernel.c``: the kernel configured for AdamW over
+    ``states``), compiled as the kernel is; skips without a C compiler."""
+    import ctypes
+    import subprocess
+
+    cc = _cpu_kernel._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    spec = KernelSpec.of("adam", (("decoupled", True),), torch.zeros(2, 256), states, False)
+    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
+    (tmp_path / "check.c").write_text(source)
+    lib = tmp_path / "check.so"
+    subprocess.run([cc, *_cpu_kernel._CFLAGS, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
+                   cwd=tmp_path)
+    fn = getattr(ctypes.CDLL(str(lib)), function)
+    fn.restype = ctypes.c_int64
+    return fn
 
 
 _FP8_CHECK = r"""
@@ -290,21 +309,10 @@ def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path):
     # 128th pattern from starts 0 and 77 (all signs, exponents, NaNs, infinities and subnormals; the
     # development check covered all 2**32)
     import ctypes
-    import subprocess
 
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "fp8", signed=s, dtype=torch.float32) for s in (True, False)]
-    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
-    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
-    (tmp_path / "check.c").write_text(_FP8_CHECK)
-    cc = _cpu_kernel._compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    lib = tmp_path / "check.so"
-    subprocess.run([cc, *_cpu_kernel._CFLAGS, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
-                   cwd=tmp_path)
-    fn = ctypes.CDLL(str(lib)).fp8_mismatches
-    fn.restype = ctypes.c_int64
+    fn = _checker(tmp_path, states, _FP8_CHECK, "fp8_mismatches")
     fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int]
     results = {(start, signed): fn(start, 128, 2**25, signed) for start in (0, 77) for signed in (1, 0)}
     if -1 in results.values():
@@ -320,13 +328,11 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
                         const float *qmap1, const int32_t *tab1, const float *thr1, int state) {
     int64_t bad = 0;
 #if HAVE_VBMI
-    __m512 t1 = _mm512_loadu_ps(thr1);
-    t1 = _mm512_mask_mov_ps(t1, (__mmask16)(1u << S1_ZERO), _mm512_setzero_ps());
     for (int64_t k = 0; k + 16 <= n; k += 16) {
         const __m512 v = _mm512_loadu_ps(y + k);
         int32_t got[16];
         _mm512_storeu_si512(got, state == 0 ? map4_code16(v, _mm512_loadu_ps(thr0), _mm512_loadu_ps(qmap0), S0_SR)
-                                            : map4_code16(v, t1, _mm512_loadu_ps(qmap1), S1_SR));
+                                            : map4_code16(v, _mm512_loadu_ps(thr1), _mm512_loadu_ps(qmap1), S1_SR));
         for (int i = 0; i < 16; i++) {
             uint8_t want;
             if (state == 0) ENCODE(0, y[k + i], want);
@@ -347,34 +353,23 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path):
     # map4_code16 against ENCODE (the packed table, then stochastic rounding) for the two states of 4bit
     # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials
     import ctypes
-    import subprocess
 
-    from qstate.optim._codec import get_codec
+    from qstate.optim._codec import _code_thresholds, get_codec
 
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic"),
               qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)]
-    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
-    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
-    (tmp_path / "check.c").write_text(_MAP4_CHECK)
-    cc = _cpu_kernel._compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    lib = tmp_path / "check.so"
-    subprocess.run([cc, *_cpu_kernel._CFLAGS, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
-                   cwd=tmp_path)
-    fn = ctypes.CDLL(str(lib)).map4_mismatches
-    fn.restype = ctypes.c_int64
+    fn = _checker(tmp_path, states, _MAP4_CHECK, "map4_mismatches")
     bits = torch.arange(0, 0x3F800001, 512, dtype=torch.int64)  # 0 .. 1.0
     sweep = bits.to(torch.int32).view(torch.float32)
     marks = [torch.tensor([0.0, 1.0, 2.0**-149, 1e-30])]
     for signed in (True, False):
         codec = get_codec("4bit", signed, "cpu")
-        for v in (codec.qmap, _cpu_kernel._map16_thresholds("4bit", signed)):
+        for v in (codec.qmap, _code_thresholds(codec.qmap)):
             marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
     y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks]).clamp(-1, 1)
     y = torch.cat([y, y[: (-y.numel()) % 16]]).contiguous()
-    tables = [_cpu_kernel._table_pointers(entry) for entry in spec.states]
+    tables = [_cpu_kernel._table_pointers(state_entry(s)) for s in states]
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
     for qmap, table, _, _, threshold in tables:
         args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table), ctypes.c_void_p(threshold)]

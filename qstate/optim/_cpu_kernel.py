@@ -98,11 +98,23 @@ class _QState(ctypes.Structure):
 _E_LOW = 96
 
 
+def _encode_thresholds(fmt: str, signed: bool) -> Tensor:
+    """The thresholds ``t_c`` the in-register encodes compare with (the code of ``y`` is the lower
+    code ``c`` of its bucket plus ``y > t_c``): the map's (:func:`~qstate.optim._codec._code_thresholds`),
+    except that an unsigned state's ``t_zero`` is ``+0``. That keeps its positive values off the zero
+    code, as Codec.encode does, with the same compare: zero + (y > 0); ``y <= 0`` (or NaN) keeps it."""
+    codec = get_codec(fmt, signed, "cpu")
+    thresholds = _code_thresholds(codec.qmap).contiguous()
+    if not codec.signed:
+        thresholds[codec.zero_code] = 0.0
+    return thresholds
+
+
 @functools.lru_cache(maxsize=None)
 def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The in-register 8-bit encode's tables (``encode8_64`` in the C source): per sign and binade
     ``first bucket | (8 - m) << 9`` (``int16 [64]``), each bucket's lower code (``uint8 [512]``)
-    and the code thresholds ``t_c`` (``float32 [256]``).
+    and the code thresholds ``t_c`` (``float32 [256]``, :func:`_encode_thresholds`).
 
     Binade ``j`` holds ``|y|`` with exponent ``_E_LOW + j`` (clamped to ``0..31``: smaller values
     share binade 0, NaN falls in 1.0's) and splits into ``2**m`` buckets of its top ``m <= 8``
@@ -113,7 +125,6 @@ def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
     inductor's).
     """
     qmap = get_codec(fmt, signed, "cpu").qmap
-    thresholds = _code_thresholds(qmap)
     binade = torch.zeros(64, dtype=torch.int16)
     lower: list[int] = []
     for neg in (False, True):
@@ -140,7 +151,7 @@ def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
     if len(lower) > 512:  # also keeps each binade's first bucket below 2**9
         raise ValueError(f"{fmt} map: {len(lower)} encode buckets, more than 512")
     bucket = torch.tensor(lower + [0] * (512 - len(lower)), dtype=torch.uint8)
-    return binade, bucket, thresholds.contiguous()
+    return binade, bucket, _encode_thresholds(fmt, signed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,12 +170,12 @@ def _in_register_encode(fmt: str, signed: bool, rounding: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _map16_thresholds(fmt: str, signed: bool) -> Optional[Tensor]:
-    """The code thresholds ``t_c`` (``float32 [16]``) of a 16-entry map, which ``map4_code16`` (C
-    source) searches for a 4-bit state's codes, or ``None`` for other formats."""
+    """The code thresholds ``t_c`` (``float32 [16]``, :func:`_encode_thresholds`) of a 16-entry map,
+    which ``map4_code16`` (C source) searches for a 4-bit state's codes, or ``None`` for other formats."""
     codec = get_codec(fmt, signed, "cpu")
     if not (codec.lookup and codec.fmt.bits == 4 and codec.qmap.numel() == 16):
         return None
-    return _code_thresholds(codec.qmap).contiguous()
+    return _encode_thresholds(fmt, signed)
 
 
 #: float8_e4m3fn's value of each code (NaN for 0x7f / 0xff): an fp8 state's decode table
@@ -249,8 +260,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     for i, s in enumerate(spec.states):
         if s[0] == "plain":
             consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "ENC4": 0, "BITS": 32,
-                      "BS": _PLAIN_UNIT,
-                      "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0,
+                      "BS": _PLAIN_UNIT, "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0,
                       "MAXCODE": "1.0f"}
             lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
             continue
@@ -338,8 +348,8 @@ def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
     pointers = [t.data_ptr() for t in codec.tables[:2]]
     if _in_register_encode(entry[1], entry[2], entry[4]):
         pointers += [t.data_ptr() for t in _binade_tables(entry[1], entry[2])]
-    elif _map16_thresholds(entry[1], entry[2]) is not None:  # no binade and bucket tables
-        pointers += [0, 0, _map16_thresholds(entry[1], entry[2]).data_ptr()]
+    elif (thresholds := _map16_thresholds(entry[1], entry[2])) is not None:  # no binade and bucket tables
+        pointers += [0, 0, thresholds.data_ptr()]
     return tuple(pointers + [0] * (5 - len(pointers)))
 
 

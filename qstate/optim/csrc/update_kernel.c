@@ -37,8 +37,8 @@
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
  * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps; blocks
- * with an infinite or NaN scale stay scalar); everything
- * else, and every tail, uses the scalar definitions, which the portable build runs throughout.
+ * with an infinite or NaN scale stay scalar); everything else, and every tail, uses the scalar
+ * definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -339,18 +339,13 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
  * and a 64-entry in-register table of words (vpermt2w), the lower code from 512 in-register bytes,
  * t_c from byte planes (lookup_planes): no gathers. */
 typedef struct {
-    planes_t threshold; /* t_c as byte planes (unsigned states: t_zero is 0, see make_enc8) */
+    planes_t threshold; /* t_c as byte planes (unsigned states: t_zero is +0, _cpu_kernel._encode_thresholds) */
     uint8_t bucket[512];
     uint16_t binade[64];
 } enc8_t;
 
-/* An unsigned state's positive values never take the zero code (Codec.encode): with t_zero = +0 the
- * compare does it, since a bucket whose lower code is zero gives zero + (y > 0); every other bucket and
- * y <= 0 (or NaN) keep their codes. */
-static void make_enc8(const qstate_t *s, enc8_t *out, int is_signed, int zero_code) {
+static void make_enc8(const qstate_t *s, enc8_t *out) {
     make_planes(s->threshold, &out->threshold);
-    if (!is_signed)
-        for (int k = 0; k < 4; k++) out->threshold.b[k][zero_code] = 0;
     memcpy(out->bucket, s->bucket, sizeof out->bucket);
     memcpy(out->binade, s->binade, sizeof out->binade);
 }
@@ -367,9 +362,10 @@ static const uint8_t LOW_BYTES[64] __attribute__((aligned(64))) = {
     102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
 
 /* encode8_64, the in-register encode of 64 values, in two stages: encode8_bucket gives y = x[0..63] / div
- * and each value's bucket's lower code c, encode8_finish writes c + (y > t_c). The encode of a row segment runs them pipelined: the
- * bucket stage of chunk k + 1, then the finish of chunk k (ENCODE8_VECTOR), so that each stage's long
- * dependency chain overlaps the other's (0.8-0.88x the encode's time in one thread, the same codes). */
+ * and each value's bucket's lower code c, encode8_finish writes c + (y > t_c). A row segment's encode
+ * runs them pipelined: the bucket stage of chunk k + 1, then the finish of chunk k (ENCODE8_VECTOR), so
+ * that each stage's long dependency chain overlaps the other's (0.8-0.88x the encode's time in one
+ * thread, the same codes). */
 typedef struct {
     __m512 y[4];
     __m512i code;
@@ -415,7 +411,7 @@ static inline enc8_part_t encode8_bucket(const float *restrict x, float div, con
 }
 
 /* codes of the values of ``part`` into out[0..63] (unsigned: a positive value never takes the zero code, by
- * the tables: make_enc8) */
+ * the thresholds: t_zero = +0) */
 static inline void encode8_finish(const enc8_part_t *part, const __m512i t[4][4], uint8_t *restrict out) {
     __m512i code = part->code;
     __m512 th[4];
@@ -457,9 +453,10 @@ static inline __m128i fp8_code16(__m512 y, int is_signed) {
 
 /* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
  * not NaN (the packed table's NaN codes depend on the payload: callers take the scalar path for those).
- * thr: the thresholds t_0..t_14 (lane 15 unused; an unsigned state's t_zero = +0, which keeps positive
- * values off the zero code as ENCODE's bump does); the nearest code is the number of t_c below y, found
- * in four halvings. sr: then stochastic_code's steps, with qmap the map's 16 values. */
+ * thr: the thresholds t_0..t_14 (lane 15 unused; _cpu_kernel._encode_thresholds: an unsigned state's
+ * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does); the nearest code is the
+ * number of t_c below y, found in four halvings. sr: then stochastic_code's steps, with qmap the map's 16
+ * values. */
 static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
     __m512i c = _mm512_setzero_si512();
     for (int step = 8; step >= 1; step /= 2) {
@@ -543,7 +540,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 /* whether state i encodes with encode8_64 (8-bit map, round to nearest, tables given) */
 #define ENC8(i) (S##i##_ENC8)
-#define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i), S##i##_SIGNED, S##i##_ZERO);
+#define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i));
 #if HAVE_VBMI
 #define DECLARE_ENC8(i)                                                                   \
     __m512i thr##i[4][4];                                                                 \
@@ -568,8 +565,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
     if (S##i##_ENC4 && (div) < INFINITY) {                                                \
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
-        __m512 t_ = _mm512_loadu_ps(st[i].threshold);                                     \
-        if (!S##i##_SIGNED) t_ = _mm512_mask_mov_ps(t_, (__mmask16)(1u << S##i##_ZERO), _mm512_setzero_ps()); \
+        const __m512 t_ = _mm512_loadu_ps(st[i].threshold);                               \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
             const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
             const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR);                        \
