@@ -170,10 +170,12 @@ def test_non_finite_gradients_match_the_inductor_kernel(fmt, rounding):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
 @pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8",
                                   "adam_amsgrad_bf16_states_bf16"])
-def test_build_without_avx512_gives_the_same_bits(case, monkeypatch, tmp_path):
-    # the in-register lookups (AVX-512 VBMI) and the portable loops are two implementations: same bits
+@pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])
+def test_builds_without_vector_paths_give_the_same_bits(case, without, monkeypatch, tmp_path):
+    # the vector paths (AVX-512 VBMI, AVX2) and the portable loops are separate implementations: a build
+    # without AVX-512 (AVX2 paths only) and one without AVX2 (portable loops only) give the native build's bits
     vector_ps, vector_states = _run(case, c_kernel=True)
-    monkeypatch.setattr(_cpu_kernel, "_CFLAGS", _cpu_kernel._CFLAGS + ("-mno-avx512f",))
+    monkeypatch.setattr(_cpu_kernel, "_CFLAGS", _cpu_kernel._CFLAGS + (without,))
     monkeypatch.setattr(_cpu_kernel, "_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
     ps, states = _run(case, c_kernel=True)
@@ -281,58 +283,95 @@ def _checker(tmp_path, states: list, source: str, function: str):
     return fn
 
 
+#: the instruction set of each vector encode width (the checkers' ``lanes``)
+_VECTOR_ISA = {16: "AVX-512 VBMI", 8: "AVX2"}
+
+
 _FP8_CHECK = r"""
 #include "kernel.c"
-/* floats start, start + stride, ... (count of them, as bit patterns): how many fp8_code16 codes differ
- * from fp8_code's, for a signed (is_signed = 1) or unsigned state */
-int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_signed) {
+/* floats start + stride * m for m = 0 .. count - 1 (count a power of two, at least 32; as bit patterns, in a
+ * scrambled order so that neighbouring lanes get unrelated codes): how many codes of
+ * the ``lanes``-wide vector encode (16: fp8_code16, AVX-512 VBMI; 8: fp8_code8 and store_codes32, AVX2)
+ * differ from fp8_code's, for a signed (is_signed = 1) or unsigned state; -1 if this build lacks it */
+int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_signed, int lanes) {
     int64_t bad = 0;
+    for (int64_t k = 0; k < count; k += 32) {
+        float y[32];
+        uint8_t got[32];
+        for (int i = 0; i < 32; i++) y[i] = u2f(start + stride * ((uint32_t)(k + i) * 0x9e3779b1u & (uint32_t)(count - 1)));
+        if (lanes == 16) {
 #if HAVE_VBMI
-    for (int64_t k = 0; k < count; k += 16) {
-        float y[16];
-        uint8_t got[16];
-        for (int i = 0; i < 16; i++) y[i] = u2f(start + (uint32_t)(k + i) * stride);
-        _mm_storeu_si128((__m128i *)got, fp8_code16(_mm512_loadu_ps(y), is_signed));
-        for (int i = 0; i < 16; i++) bad += got[i] != fp8_code(y[i], is_signed);
+            for (int h = 0; h < 2; h++)
+                _mm_storeu_si128((__m128i *)(got + 16 * h), fp8_code16(_mm512_loadu_ps(y + 16 * h), is_signed));
+#else
+            return -1;
+#endif
+        } else {
+#if HAVE_AVX2
+            __m256i c[4];
+            for (int q = 0; q < 4; q++) c[q] = fp8_code8(_mm256_loadu_ps(y + 8 * q), is_signed);
+            store_codes32(c, got);
+#else
+            return -1;
+#endif
+        }
+        for (int i = 0; i < 32; i++) bad += got[i] != fp8_code(y[i], is_signed);
     }
     return bad;
-#else
-    return -1;
-#endif
 }
 """
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
-def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path):
-    # fp8_code16 (16 codes at a time) against fp8_code on 2**25 float bit patterns per signedness: every
-    # 128th pattern from starts 0 and 77 (all signs, exponents, NaNs, infinities and subnormals; the
-    # development check covered all 2**32)
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
+    # fp8_code16 / fp8_code8 (16 / 8 codes at a time) against fp8_code on 2**25 float bit patterns per
+    # signedness: every 128th pattern from starts 0 and 77, scrambled (all signs, exponents, NaNs, infinities and
+    # subnormals; the development checks covered all 2**32)
     import ctypes
 
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "fp8", signed=s, dtype=torch.float32) for s in (True, False)]
     fn = _checker(tmp_path, states, _FP8_CHECK, "fp8_mismatches")
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int]
-    results = {(start, signed): fn(start, 128, 2**25, signed) for start in (0, 77) for signed in (1, 0)}
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    results = {(start, signed): fn(start, 128, 2**25, signed, lanes) for start in (0, 77) for signed in (1, 0)}
     if -1 in results.values():
-        pytest.skip("this machine's build has no AVX-512 VBMI path")
+        pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
     assert results == {key: 0 for key in results}
 
 
 _MAP4_CHECK = r"""
 #include "kernel.c"
-/* how many of the n values y[] (no NaN) get another code from map4_code16 than from the scalar ENCODE,
- * for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind */
+/* how many of the n values y[] (no NaN; n a multiple of 16) get another code from the ``lanes``-wide
+ * vector encode (16: map4_code16, AVX-512 VBMI; 8: map4_code8 and store_nibbles8, AVX2) than from the scalar
+ * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind; -1 if
+ * this build lacks it */
 int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int32_t *tab0, const float *thr0,
-                        const float *qmap1, const int32_t *tab1, const float *thr1, int state) {
+                        const float *qmap1, const int32_t *tab1, const float *thr1, int state, int lanes) {
     int64_t bad = 0;
-#if HAVE_VBMI
+    const float *qmap = state == 0 ? qmap0 : qmap1, *thr = state == 0 ? thr0 : thr1;
+    const int sr = state == 0 ? S0_SR : S1_SR;
     for (int64_t k = 0; k + 16 <= n; k += 16) {
-        const __m512 v = _mm512_loadu_ps(y + k);
-        int32_t got[16];
-        _mm512_storeu_si512(got, state == 0 ? map4_code16(v, _mm512_loadu_ps(thr0), _mm512_loadu_ps(qmap0), S0_SR)
-                                            : map4_code16(v, _mm512_loadu_ps(thr1), _mm512_loadu_ps(qmap1), S1_SR));
+        uint8_t got[16];
+        if (lanes == 16) {
+#if HAVE_VBMI
+            int32_t c[16];
+            _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), _mm512_loadu_ps(thr), _mm512_loadu_ps(qmap), sr));
+            for (int i = 0; i < 16; i++) got[i] = (uint8_t)c[i];
+#else
+            return -1;
+#endif
+        } else {
+#if HAVE_AVX2
+            const __m256 t[2] = {_mm256_loadu_ps(thr), _mm256_loadu_ps(thr + 8)};
+            const __m256 q[2] = {_mm256_loadu_ps(qmap), _mm256_loadu_ps(qmap + 8)};
+            uint8_t packed[8];
+            for (int h = 0; h < 2; h++) store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), t, q, sr), packed + 4 * h);
+            for (int i = 0; i < 16; i++) got[i] = (packed[i / 2] >> (4 * (i % 2))) & 15;
+#else
+            return -1;
+#endif
+        }
         for (int i = 0; i < 16; i++) {
             uint8_t want;
             if (state == 0) ENCODE(0, y[k + i], want);
@@ -341,16 +380,13 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
         }
     }
     return bad;
-#else
-    return -1;
-#endif
 }
 """
 
-
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
-def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path):
-    # map4_code16 against ENCODE (the packed table, then stochastic rounding) for the two states of 4bit
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
+    # map4_code16 / map4_code8 against ENCODE (the packed table, then stochastic rounding) for the two states of 4bit
     # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials
     import ctypes
 
@@ -368,12 +404,13 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path):
         for v in (codec.qmap, _code_thresholds(codec.qmap)):
             marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
     y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks]).clamp(-1, 1)
-    y = torch.cat([y, y[: (-y.numel()) % 16]]).contiguous()
+    y = torch.cat([y, y[: (-y.numel()) % 16]])
+    y = y[torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))]  # unrelated codes side by side
     tables = [_cpu_kernel._table_pointers(state_entry(s)) for s in states]
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
     for qmap, table, _, _, threshold in tables:
         args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table), ctypes.c_void_p(threshold)]
-    results = [fn(*args, ctypes.c_int(state)) for state in (0, 1)]
+    results = [fn(*args, ctypes.c_int(state), ctypes.c_int(lanes)) for state in (0, 1)]
     if -1 in results:
-        pytest.skip("this machine's build has no AVX-512 VBMI path")
+        pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
     assert results == [0, 0]

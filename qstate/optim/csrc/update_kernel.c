@@ -54,10 +54,18 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define HAVE_VBMI 1
 #else
 #define HAVE_VBMI 0
+#endif
+/* the 8-lane paths: on machines without AVX-512 VBMI, and after the 64- and 16-lane ones */
+#if defined(__AVX2__)
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
+#if HAVE_VBMI || HAVE_AVX2
+#include <immintrin.h>
 #endif
 
 typedef struct {
@@ -484,6 +492,88 @@ static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
 }
 #endif
 
+#if HAVE_AVX2
+/* The 16-entry table t (t[0..7] | t[8..15]) at 8 indices 0..15: two vpermps and a blend on bit 3 */
+static inline __m256 lookup16(__m256 t_low, __m256 t_high, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_low, idx), _mm256_permutevar8x32_ps(t_high, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* map4_code16 on 8 values: the thresholds and the map values given as halves (t[0..7], t[8..15]) */
+static inline __m256i map4_code8(__m256 y, const __m256 thr[2], const __m256 qmap[2], int sr) {
+    __m256i c = _mm256_setzero_si256();
+    for (int step = 8; step >= 1; step /= 2) {
+        const __m256 t = lookup16(thr[0], thr[1], _mm256_add_epi32(c, _mm256_set1_epi32(step - 1)));
+        c = _mm256_add_epi32(c, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, t, _CMP_GT_OQ)),
+                                                 _mm256_set1_epi32(step)));
+    }
+    if (!sr) return c;
+    const __m256i one = _mm256_set1_epi32(1);
+    c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(lookup16(qmap[0], qmap[1], c), y, _CMP_GT_OQ)));
+    c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(14));
+    const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
+    __m256i h = _mm256_castps_si256(y); /* lowbias32 */
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0x7feb352du));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0x846ca68bu));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    const __m256 draw = _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8));
+    const __m256 up = _mm256_or_ps(
+        _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
+                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
+                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+    return _mm256_sub_epi32(c, _mm256_castps_si256(up));
+}
+
+/* fp8_code of 8 values, in 32-bit lanes (fp8_code16's steps; mag < 2**31, so signed compares order it) */
+static inline __m256i fp8_code8(__m256 y, int is_signed) {
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), denorm_mask = _mm256_set1_epi32(141 << 23);
+    const __m256i sub = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(denorm_mask))), denorm_mask);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd),
+        20);
+    __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), mag));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1087 << 20) - 1)));
+    code = _mm256_or_si256(_mm256_and_si256(code, _mm256_set1_epi32(0xff)),
+                           _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
+    if (!is_signed) {
+        const __m256 zero = _mm256_setzero_ps();
+        const __m256i low_zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
+        code = _mm256_sub_epi32(code, _mm256_and_si256(low_zero, _mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_GT_OQ))));
+        code = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_LT_OQ)), code);
+    }
+    return code;
+}
+
+/* 32 codes (32-bit lanes, each 0..255; c[k] holds codes 8k .. 8k + 7) as 32 bytes */
+static inline void store_codes32(const __m256i c[4], uint8_t *restrict out) {
+    /* dword k of the packed bytes holds codes 0-3 of c[k % 4] (k < 4) or codes 4-7 of c[k % 4] */
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* 8 codes (32-bit lanes, each 0..255) as 8 bytes */
+static inline void store_codes8(__m256i c, uint8_t *restrict out) {
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w, w));
+}
+
+/* 8 4-bit codes (32-bit lanes) as 4 bytes: code 2k | code 2k + 1 << 4 */
+static inline void store_nibbles8(__m256i c, uint8_t *restrict out) {
+    const __m256i pairs = _mm256_or_si256(c, _mm256_srli_epi64(c, 28)); /* low byte of each 64-bit lane */
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+    const __m128i b = _mm_packus_epi16(w, w); /* bytes 0, 2, 4, 6 hold the pairs, 1, 3, 5, 7 zero */
+    const int32_t packed = _mm_cvtsi128_si32(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, -1, -1, -1, -1, -1, -1,
+                                                                                 -1, -1, -1, -1, -1, -1)));
+    memcpy(out, &packed, 4);
+}
+#endif
+
 /* out[j] = qmap[code j] * sc for j < n, 4-bit codes (code 2k: low nibble of byte k): 16 at a time
  * as one in-register lookup in the 16-entry map (vpermps) on AVX-512; the tail reads the table. */
 static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float *restrict qmap, float sc,
@@ -497,6 +587,18 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
         _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), vs));
+    }
+#endif
+#if HAVE_AVX2
+    const __m256 t_low = _mm256_loadu_ps(qmap), t_high = _mm256_loadu_ps(qmap + 8), vs = _mm256_set1_ps(sc);
+    const __m128i low4 = _mm_set1_epi8(15);
+    for (; j + 8 <= n; j += 8) {
+        int32_t four;
+        memcpy(&four, bytes + j / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(four);
+        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(lookup16(t_low, t_high, idx), vs));
     }
 #endif
     for (; j < n; j++) {
@@ -587,6 +689,33 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0)
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
+#if HAVE_AVX2
+#define DIV8(x, j0) _mm256_div_ps(_mm256_loadu_ps((x) + (j0)), vdiv_)
+/* fp8 codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them) */
+#define ENCODE_FP8_AVX2(i, x, bn, div, out, j0)                                           \
+    if (S##i##_FP8) {                                                                     \
+        const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
+        for (; (j0) + 32 <= (bn); (j0) += 32) {                                           \
+            __m256i c_[4];                                                                \
+            for (int q_ = 0; q_ < 4; q_++) c_[q_] = fp8_code8(DIV8(x, (j0) + 8 * q_), S##i##_SIGNED); \
+            store_codes32(c_, (out) + (j0));                                              \
+        }                                                                                 \
+        for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(fp8_code8(DIV8(x, j0), S##i##_SIGNED), (out) + (j0)); \
+    }
+/* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain; not for a block
+ * whose scale is infinite or NaN (ENCODE4_VECTOR) */
+#define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
+    if (S##i##_ENC4 && (div) < INFINITY) {                                                \
+        const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
+        const __m256 thr_[2] = {_mm256_loadu_ps(st[i].threshold), _mm256_loadu_ps(st[i].threshold + 8)}; \
+        const __m256 q_[2] = {_mm256_loadu_ps(qmap##i), _mm256_loadu_ps(qmap##i + 8)};   \
+        for (; (j0) + 8 <= (bn); (j0) += 8)                                               \
+            store_nibbles8(map4_code8(DIV8(x, j0), thr_, q_, S##i##_SR), (bp) + (j0) / 2); \
+    }
+#else
+#define ENCODE_FP8_AVX2(i, x, bn, div, out, j0)
+#define ENCODE4_AVX2(i, x, bn, div, bp, j0)
+#endif
 
 /* state i's new scales and codes in [c0, c0 + len) of row r */
 #define ENCODE_STATE(i) ENCODE_BLOCKS(i) FLUSH_ENC8(i)
@@ -608,6 +737,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             int64_t j0 = 0;                                                               \
             ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                    \
             ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                                 \
+            ENCODE_FP8_AVX2(i, x, bn, div, cp + b0, j0)                                   \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0; j < bn; j++) {                                           \
@@ -620,6 +750,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             const int64_t pairs = bn / 2;                                                 \
             int64_t j0 = 0;                                                               \
             ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                         \
+            ENCODE4_AVX2(i, x, bn, div, bp, j0)                                           \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0 / 2; j < pairs; j++) {                                    \
                 uint8_t lo, hi;                                                           \
