@@ -147,10 +147,40 @@ def cold_compile_cache() -> str:
     return path
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``"unknown"``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def kernel_vector_paths() -> str:
+    """Which vector paths the C kernel's build takes here: ``"AVX-512 VBMI + AVX2"``, ``"AVX2"`` or
+    ``"portable"`` (the compiler's predefined macros under the kernel's flags), or ``"no compiler"``."""
+    import subprocess
+
+    from qstate.optim import _cpu_kernel
+
+    cc = _cpu_kernel._compiler()
+    if cc is None:
+        return "no compiler"
+    flags = [f for f in _cpu_kernel._CFLAGS if f.startswith("-m")]
+    macros = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True).stdout
+    have = set(line.split()[1] for line in macros.splitlines() if line.startswith("#define "))
+    if {"__AVX512VBMI__", "__AVX512BW__"} <= have:
+        return "AVX-512 VBMI + AVX2"
+    return "AVX2" if "__AVX2__" in have else "portable"
+
+
 def environment() -> dict:
-    """What the figures depend on: versions, threads, CPU count."""
+    """What the figures depend on: versions, threads, CPU count and model, the C kernel's vector paths."""
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d")}
+            "cpu": cpu_model(), "kernel_vector_paths": kernel_vector_paths(), "date": time.strftime("%Y-%m-%d")}
 
 
 def save_json(obj: Any, out_dir: str, name: str) -> str:

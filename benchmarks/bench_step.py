@@ -179,6 +179,8 @@ def main() -> None:
         print(note)
     results = {"env": environment(), "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
                "notes": notes, "sizes": {}}
+    env = results["env"]
+    print(f"{env['cpu']}, {env['threads']} threads, C kernel vector paths: {env['kernel_vector_paths']}")
     for label in parse_list(args.sizes):
         print(f"== {label}", flush=True)
         results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes, args.weights)

@@ -340,6 +340,42 @@ def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     assert results == {key: 0 for key in results}
 
 
+_FP8_DECODE_CHECK = r"""
+#include "kernel.c"
+/* how many of the 256 fp8 codes fp8_value8 (AVX2) decodes to other bits than qmap[code]; -1 if this build
+ * lacks it */
+int64_t fp8_decode_mismatches(const float *qmap) {
+#if HAVE_AVX2
+    const __m256 nan[2] = {_mm256_set1_ps(qmap[0x7f]), _mm256_set1_ps(qmap[0xff])};
+    int64_t bad = 0;
+    for (int c = 0; c < 256; c += 8) {
+        float got[8];
+        _mm256_storeu_ps(got, fp8_value8(_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), nan));
+        for (int i = 0; i < 8; i++) bad += f2u(got[i]) != f2u(qmap[c + i]);
+    }
+    return bad;
+#else
+    return -1;
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+def test_fp8_vector_decode_equals_the_table_on_every_code(tmp_path):
+    # fp8_value8 computes the value of a code from its bits: the same bits as the kernel's fp8 decode table
+    # (one for signed and unsigned states) on all 256 codes, signed zero, subnormals and both NaNs included
+    import ctypes
+
+    state = qstate.zeros_like(torch.zeros(2, 256), "fp8", signed=True, dtype=torch.float32)
+    fn = _checker(tmp_path, [state], _FP8_DECODE_CHECK, "fp8_decode_mismatches")
+    qmap = _cpu_kernel._table_pointers(state_entry(state))[0]  # what the kernel decodes with
+    result = fn(ctypes.c_void_p(qmap))
+    if result == -1:
+        pytest.skip("this machine's build has no AVX2 path")
+    assert result == 0
+
+
 _MAP4_CHECK = r"""
 #include "kernel.c"
 /* how many of the n values y[] (no NaN; n a multiple of 16) get another code from the ``lanes``-wide

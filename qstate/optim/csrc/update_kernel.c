@@ -37,8 +37,12 @@
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
  * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps; blocks
- * with an infinite or NaN scale stay scalar); everything else, and every tail, uses the scalar
- * definitions, which the portable build runs throughout.
+ * with an infinite or NaN scale stay scalar). With AVX2 (on machines without AVX-512 VBMI, and for
+ * what the 64- and 16-lane loops leave), fp8 states encode 8 values at a time (fp8_code8) and decode
+ * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same search)
+ * and decode from two registers (lookup16);
+ * 8-bit map states keep the scalar loops there (a gather costs about what a scalar lookup does). Everything
+ * else, and every tail, uses the scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -318,10 +322,26 @@ static inline void load_planes(const planes_t *pl, __m512i t[4][4]) {
 }
 #endif
 
+#if HAVE_AVX2
+/* qmap[code] of 8 fp8 codes (float8_e4m3fn bits; qmap: their float32 values) without the table: the
+ * magnitude bits as a float's exponent and mantissa bits, times 2**120 (exact: a normal code's value, and
+ * m * 2**-9 for a subnormal code 0.m), with the sign bit put back; the NaN codes 0x7f and 0xff take the
+ * table's own NaNs, nan[0] and nan[1]. Equal to the table on all 256 codes (a test checks). */
+static inline __m256 fp8_value8(__m256i code, const __m256 nan[2]) {
+    const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+    __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+    const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(code, 24)); /* bit 7 to bit 31 */
+    v = _mm256_or_ps(v, _mm256_and_ps(sign, _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)0x80000000u))));
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f)));
+    return _mm256_blendv_ps(v, _mm256_blendv_ps(nan[0], nan[1], sign), is_nan);
+}
+#endif
+
 /* out[j] = qmap[codes[j]] * sc for j < n: 64 codes at a time as in-register lookups (lookup_planes);
- * the tail (and machines without AVX-512 VBMI) reads the table. */
+ * then for fp8 codes (fp8: S<i>_FP8) 8 at a time with AVX2 (fp8_value8); the rest (8-bit map codes on
+ * machines without AVX-512 VBMI, and the tail) reads the table. */
 static inline void decode8(const uint8_t *restrict codes, int64_t n, const float *restrict qmap,
-                           const planes_t *restrict pl, float sc, float *restrict out) {
+                           const planes_t *restrict pl, float sc, int fp8, float *restrict out) {
     int64_t j = 0;
 #if HAVE_VBMI
     const __m512 vs = _mm512_set1_ps(sc);
@@ -334,6 +354,17 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
     }
 #else
     (void)pl;
+#endif
+#if HAVE_AVX2
+    if (fp8) {
+        const __m256 vs8 = _mm256_set1_ps(sc), nan[2] = {_mm256_set1_ps(qmap[0x7f]), _mm256_set1_ps(qmap[0xff])};
+        for (; j + 8 <= n; j += 8) {
+            const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + j)));
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(fp8_value8(code, nan), vs8));
+        }
+    }
+#else
+    (void)fp8;
 #endif
     for (; j < n; j++) out[j] = qmap[codes[j]] * sc;
 }
@@ -614,7 +645,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         const uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                 \
         if (S##i##_PLAIN) {                                                               \
         } else if (S##i##_BITS == 8) {                                                    \
-            decode8(cp + col, n, qmap##i, planes + (i), sc, vals##i);                     \
+            decode8(cp + col, n, qmap##i, planes + (i), sc, S##i##_FP8, vals##i);         \
         } else {                                                                          \
             decode4(cp + col / 2, n, qmap##i, sc, vals##i);                               \
         }                                                                                 \
