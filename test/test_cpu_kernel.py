@@ -399,10 +399,10 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
 #endif
         } else {
 #if HAVE_AVX2
-            const __m256 t[2] = {_mm256_loadu_ps(thr), _mm256_loadu_ps(thr + 8)};
+            const search4_t s = make_search4(thr);
             const __m256 q[2] = {_mm256_loadu_ps(qmap), _mm256_loadu_ps(qmap + 8)};
             uint8_t packed[8];
-            for (int h = 0; h < 2; h++) store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), t, q, sr), packed + 4 * h);
+            for (int h = 0; h < 2; h++) store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), &s, q, sr), packed + 4 * h);
             for (int i = 0; i < 16; i++) got[i] = (packed[i / 2] >> (4 * (i % 2))) & 15;
 #else
             return -1;

@@ -530,14 +530,28 @@ static inline __m256 lookup16(__m256 t_low, __m256 t_high, __m256i idx) {
                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
-/* map4_code16 on 8 values: the thresholds and the map values given as halves (t[0..7], t[8..15]) */
-static inline __m256i map4_code8(__m256 y, const __m256 thr[2], const __m256 qmap[2], int sr) {
-    __m256i c = _mm256_setzero_si256();
-    for (int step = 8; step >= 1; step /= 2) {
-        const __m256 t = lookup16(thr[0], thr[1], _mm256_add_epi32(c, _mm256_set1_epi32(step - 1)));
-        c = _mm256_add_epi32(c, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, t, _CMP_GT_OQ)),
-                                                 _mm256_set1_epi32(step)));
-    }
+/* The code thresholds t_0..t_14 of a 16-entry map as map4_code8's search reads them: the candidates of each
+ * halving in one register (t_7; t_3 and t_11; t_1, t_5, t_9, t_13 by c / 4; t_0, t_2, .. t_14 by c / 2) */
+typedef struct {
+    __m256 t7, t3, t11, quarter, even;
+} search4_t;
+
+static inline search4_t make_search4(const float *restrict thr) {
+    return (search4_t){_mm256_set1_ps(thr[7]), _mm256_set1_ps(thr[3]), _mm256_set1_ps(thr[11]),
+                       _mm256_setr_ps(thr[1], thr[5], thr[9], thr[13], thr[1], thr[5], thr[9], thr[13]),
+                       _mm256_setr_ps(thr[0], thr[2], thr[4], thr[6], thr[8], thr[10], thr[12], thr[14])};
+}
+
+/* map4_code16 on 8 values: the same four halvings (c + step - 1 is the threshold compared), each
+ * reading its candidates from one register (s); qmap: the map's values as halves (q[0..7], q[8..15]) */
+static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr) {
+#define STEP4(t, step) \
+    _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, (t), _CMP_GT_OQ)), _mm256_set1_epi32(step))
+    __m256i c = STEP4(s->t7, 8);
+    c = _mm256_add_epi32(c, STEP4(_mm256_blendv_ps(s->t3, s->t11, _mm256_castsi256_ps(_mm256_slli_epi32(c, 28))), 4));
+    c = _mm256_add_epi32(c, STEP4(_mm256_permutevar8x32_ps(s->quarter, _mm256_srli_epi32(c, 2)), 2));
+    c = _mm256_add_epi32(c, STEP4(_mm256_permutevar8x32_ps(s->even, _mm256_srli_epi32(c, 1)), 1));
+#undef STEP4
     if (!sr) return c;
     const __m256i one = _mm256_set1_epi32(1);
     c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(lookup16(qmap[0], qmap[1], c), y, _CMP_GT_OQ)));
@@ -738,10 +752,10 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
     if (S##i##_ENC4 && (div) < INFINITY) {                                                \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
-        const __m256 thr_[2] = {_mm256_loadu_ps(st[i].threshold), _mm256_loadu_ps(st[i].threshold + 8)}; \
+        const search4_t s_ = make_search4(st[i].threshold);                               \
         const __m256 q_[2] = {_mm256_loadu_ps(qmap##i), _mm256_loadu_ps(qmap##i + 8)};   \
         for (; (j0) + 8 <= (bn); (j0) += 8)                                               \
-            store_nibbles8(map4_code8(DIV8(x, j0), thr_, q_, S##i##_SR), (bp) + (j0) / 2); \
+            store_nibbles8(map4_code8(DIV8(x, j0), &s_, q_, S##i##_SR), (bp) + (j0) / 2); \
     }
 #else
 #define ENCODE_FP8_AVX2(i, x, bn, div, out, j0)
