@@ -39,10 +39,10 @@
  * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps; blocks
  * with an infinite or NaN scale stay scalar). With AVX2 (on machines without AVX-512 VBMI, and for
  * what the 64- and 16-lane loops leave), fp8 states encode 8 values at a time (fp8_code8) and decode
- * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same search)
- * and decode from two registers (lookup16);
- * 8-bit map states keep the scalar loops there (a gather costs about what a scalar lookup does). Everything
- * else, and every tail, uses the scalar definitions, which the portable build runs throughout.
+ * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
+ * search) and decode from two registers (lookup16); 8-bit map states keep the scalar loops there (an
+ * AVX2 gather costs about what a scalar lookup does). Everything else, and every tail, uses the
+ * scalar definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -620,7 +620,8 @@ static inline void store_nibbles8(__m256i c, uint8_t *restrict out) {
 #endif
 
 /* out[j] = qmap[code j] * sc for j < n, 4-bit codes (code 2k: low nibble of byte k): 16 at a time
- * as one in-register lookup in the 16-entry map (vpermps) on AVX-512; the tail reads the table. */
+ * as one in-register lookup in the 16-entry map (vpermps) on AVX-512, then 8 at a time from two
+ * registers (lookup16) with AVX2; the tail reads the table. */
 static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float *restrict qmap, float sc,
                            float *restrict out) {
     int64_t j = 0;
