@@ -185,6 +185,35 @@ def test_builds_without_vector_paths_give_the_same_bits(case, without, monkeypat
             assert torch.equal(*_parts(s, r))
 
 
+#: the vector paths' builds (``-march``) that no machine runs all of: AVX-512 VBMI (with AVX2 for what its
+#: loops leave), AVX2 only, and the portable loops
+_MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "portable": "-march=x86-64"}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+@pytest.mark.parametrize("isa", list(_MARCH))
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "bf16"])
+def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
+    # the machine running the suite takes one vector path; the others must at least build (compile only,
+    # each kind of AdamW's states: 8bit, 4bit with a stochastic first moment, fp8, plain bf16)
+    import subprocess
+
+    cc = _cpu_kernel._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    p = torch.zeros(2, 256)
+    if fmt in PLAIN:
+        states = [torch.zeros_like(p, dtype=PLAIN[fmt]) for _ in range(2)]
+    else:
+        states = [qstate.zeros_like(p, fmt, signed=signed, dtype=torch.float32,
+                                    rounding=SR if signed and fmt == "4bit" else "nearest") for signed in (True, False)]
+    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
+    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
+    flags = [f for f in _cpu_kernel._CFLAGS if not f.startswith("-march=")] + [_MARCH[isa]]
+    proc = subprocess.run([cc, *flags, "kernel.c", "-o", "kernel.so"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_one_build_per_kind_not_per_shape(monkeypatch):
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})  # count this test's loads (the builds are on disk)
     for case in CASES:
@@ -298,7 +327,10 @@ int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_si
     for (int64_t k = 0; k < count; k += 32) {
         float y[32];
         uint8_t got[32];
-        for (int i = 0; i < 32; i++) y[i] = u2f(start + stride * ((uint32_t)(k + i) * 0x9e3779b1u & (uint32_t)(count - 1)));
+        for (int i = 0; i < 32; i++) {
+            const uint32_t m = (uint32_t)(k + i) * 0x9e3779b1u & (uint32_t)(count - 1); /* a bijection */
+            y[i] = u2f(start + stride * m);
+        }
         if (lanes == 16) {
 #if HAVE_VBMI
             for (int h = 0; h < 2; h++)
@@ -350,7 +382,8 @@ int64_t fp8_decode_mismatches(const float *qmap) {
     int64_t bad = 0;
     for (int c = 0; c < 256; c += 8) {
         float got[8];
-        _mm256_storeu_ps(got, fp8_value8(_mm256_add_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), nan));
+        const __m256i codes = _mm256_add_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_storeu_ps(got, fp8_value8(codes, nan));
         for (int i = 0; i < 8; i++) bad += f2u(got[i]) != f2u(qmap[c + i]);
     }
     return bad;
@@ -392,7 +425,8 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
         if (lanes == 16) {
 #if HAVE_VBMI
             int32_t c[16];
-            _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), _mm512_loadu_ps(thr), _mm512_loadu_ps(qmap), sr));
+            const __m512 t = _mm512_loadu_ps(thr), q = _mm512_loadu_ps(qmap);
+            _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), t, q, sr));
             for (int i = 0; i < 16; i++) got[i] = (uint8_t)c[i];
 #else
             return -1;
@@ -402,7 +436,8 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
             const search4_t s = make_search4(thr);
             const __m256 q[2] = {_mm256_loadu_ps(qmap), _mm256_loadu_ps(qmap + 8)};
             uint8_t packed[8];
-            for (int h = 0; h < 2; h++) store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), &s, q, sr), packed + 4 * h);
+            for (int h = 0; h < 2; h++)
+                store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), &s, q, sr), packed + 4 * h);
             for (int i = 0; i < 16; i++) got[i] = (packed[i / 2] >> (4 * (i % 2))) & 15;
 #else
             return -1;

@@ -575,21 +575,23 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
 /* fp8_code of 8 values, in 32-bit lanes (fp8_code16's steps; mag < 2**31, so signed compares order it) */
 static inline __m256i fp8_code8(__m256 y, int is_signed) {
     const __m256i bits = _mm256_castps_si256(y);
-    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), denorm_mask = _mm256_set1_epi32(141 << 23);
+    const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i denorm_mask = _mm256_set1_epi32(141 << 23);
     const __m256i sub = _mm256_sub_epi32(
         _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(denorm_mask))), denorm_mask);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
-    const __m256i normal = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd),
-        20);
+    const __m256i bias = _mm256_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu));
+    const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, bias), odd), 20);
     __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), mag));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1087 << 20) - 1)));
+    const __m256i too_big = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1087 << 20) - 1));
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), too_big);
     code = _mm256_or_si256(_mm256_and_si256(code, _mm256_set1_epi32(0xff)),
                            _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
     if (!is_signed) {
         const __m256 zero = _mm256_setzero_ps();
         const __m256i low_zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
-        code = _mm256_sub_epi32(code, _mm256_and_si256(low_zero, _mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_GT_OQ))));
+        const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_GT_OQ));
+        code = _mm256_sub_epi32(code, _mm256_and_si256(low_zero, positive));
         code = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_LT_OQ)), code);
     }
     return code;
@@ -636,15 +638,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     }
 #endif
 #if HAVE_AVX2
-    const __m256 t_low = _mm256_loadu_ps(qmap), t_high = _mm256_loadu_ps(qmap + 8), vs = _mm256_set1_ps(sc);
-    const __m128i low4 = _mm_set1_epi8(15);
-    for (; j + 8 <= n; j += 8) {
-        int32_t four;
-        memcpy(&four, bytes + j / 2, 4);
-        const __m128i b = _mm_cvtsi32_si128(four);
-        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(lookup16(t_low, t_high, idx), vs));
+    {
+        const __m256 t_low = _mm256_loadu_ps(qmap), t_high = _mm256_loadu_ps(qmap + 8), vs = _mm256_set1_ps(sc);
+        const __m128i low4 = _mm_set1_epi8(15);
+        for (; j + 8 <= n; j += 8) {
+            int32_t four;
+            memcpy(&four, bytes + j / 2, 4);
+            const __m128i b = _mm_cvtsi32_si128(four);
+            const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(lookup16(t_low, t_high, idx), vs));
+        }
     }
 #endif
     for (; j < n; j++) {
