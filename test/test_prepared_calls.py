@@ -197,8 +197,6 @@ def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
     assert raised == [] and len(registry) == 0
 
 
-
-
 _RUN_PREPARED = _cpu_kernel.run_prepared
 
 

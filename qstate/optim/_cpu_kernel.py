@@ -260,8 +260,8 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     for i, s in enumerate(spec.states):
         if s[0] == "plain":
             consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "ENC4": 0, "BITS": 32,
-                      "BS": _PLAIN_UNIT, "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1, "FP8": 0,
-                      "MAXCODE": "1.0f"}
+                      "BS": _PLAIN_UNIT, "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1,
+                      "FP8": 0, "MAXCODE": "1.0f"}
             lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
             continue
         codec = get_codec(s[1], s[2], "cpu")

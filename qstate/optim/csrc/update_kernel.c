@@ -211,6 +211,19 @@ static inline uint32_t lowbias32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
+/* stochastic_code's draw, (float)(lowbias32(bits of y) >> 8), in each 32-bit lane of a W-bit vector (W:
+ * 512 or 256, the intrinsics' width; defined for the widths the build has, before their map4_code) */
+#define DEFINE_SR_DRAW(W)                                                                 \
+    static inline __m##W sr_draw_##W(__m##W y) {                                          \
+        __m##W##i h = _mm##W##_castps_si##W(y);                                           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
+        h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x7feb352du));           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 15));                            \
+        h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x846ca68bu));           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
+        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(h, 8));                           \
+    }
+
 static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n) {
     c -= qmap[c] > y;
     c = c < 0 ? 0 : (c > n - 2 ? n - 2 : c);
@@ -496,6 +509,8 @@ static inline __m128i fp8_code16(__m512 y, int is_signed) {
  * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does); the nearest code is the
  * number of t_c below y, found in four halvings. sr: then stochastic_code's steps, with qmap the map's 16
  * values. */
+DEFINE_SR_DRAW(512)
+
 static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
     __m512i c = _mm512_setzero_si512();
     for (int step = 8; step >= 1; step /= 2) {
@@ -507,13 +522,7 @@ static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
     c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(c, qmap), y, _CMP_GT_OQ), c, one);
     c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(14));
     const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
-    __m512i h = _mm512_castps_si512(y); /* lowbias32 */
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x7feb352du));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x846ca68bu));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    const __m512 draw = _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8));
+    const __m512 draw = sr_draw_512(y);
     const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
                          (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
                           _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
@@ -542,6 +551,8 @@ static inline search4_t make_search4(const float *restrict thr) {
                        _mm256_setr_ps(thr[0], thr[2], thr[4], thr[6], thr[8], thr[10], thr[12], thr[14])};
 }
 
+DEFINE_SR_DRAW(256)
+
 /* map4_code16 on 8 values: the same four halvings (c + step - 1 is the threshold compared), each
  * reading its candidates from one register (s); qmap: the map's values as halves (q[0..7], q[8..15]) */
 static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr) {
@@ -557,13 +568,7 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
     c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(lookup16(qmap[0], qmap[1], c), y, _CMP_GT_OQ)));
     c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(14));
     const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
-    __m256i h = _mm256_castps_si256(y); /* lowbias32 */
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0x7feb352du));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
-    h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int32_t)0x846ca68bu));
-    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-    const __m256 draw = _mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8));
+    const __m256 draw = sr_draw_256(y);
     const __m256 up = _mm256_or_ps(
         _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
         _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
@@ -693,6 +698,10 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 /* whether state i encodes with encode8_64 (8-bit map, round to nearest, tables given) */
 #define ENC8(i) (S##i##_ENC8)
 #define MAKE_ENC8(i) if (HAVE_VBMI && ENC8(i)) make_enc8(st + (i), enc + (i));
+/* whether state i's block with divisor div takes the vector 4-bit encodes (map4_code16, map4_code8): a
+ * 16-entry map state, unless the block's scale is infinite or NaN: only such blocks hold NaN values
+ * (|x| <= div otherwise), whose codes (the packed table's, by payload) the threshold search does not give */
+#define ENC4_VECTOR_BLOCK(i, div) (S##i##_ENC4 && (div) < INFINITY)
 #if HAVE_VBMI
 #define DECLARE_ENC8(i)                                                                   \
     __m512i thr##i[4][4];                                                                 \
@@ -712,10 +721,9 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define FLUSH_ENC8(i)                                                                     \
     if (ENC8(i) && pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);
 /* 4-bit codes of x[j0..] / div, 16 at a time (8 bytes at bp + j0 / 2), while 16 remain (j0 moves past
- * them; the scalar loop takes the rest). Not for a block whose scale is infinite or NaN: only those hold
- * NaN values (|x| <= div otherwise), whose codes map4_code16 does not give. */
+ * them; the scalar loop takes the rest; ENC4_VECTOR_BLOCK) */
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
-    if (S##i##_ENC4 && (div) < INFINITY) {                                                \
+    if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
         const __m512 t_ = _mm512_loadu_ps(st[i].threshold);                               \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
@@ -752,10 +760,9 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
         for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(fp8_code8(DIV8(x, j0), S##i##_SIGNED), (out) + (j0)); \
     }
-/* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain; not for a block
- * whose scale is infinite or NaN (ENCODE4_VECTOR) */
+/* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain (ENC4_VECTOR_BLOCK) */
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
-    if (S##i##_ENC4 && (div) < INFINITY) {                                                \
+    if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
         const search4_t s_ = make_search4(st[i].threshold);                               \
         const __m256 q_[2] = {_mm256_loadu_ps(qmap##i), _mm256_loadu_ps(qmap##i + 8)};   \
