@@ -409,8 +409,38 @@ def test_fp8_vector_decode_equals_the_table_on_every_code(tmp_path):
     assert result == 0
 
 
-_MAP4_CHECK = r"""
+def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.Tensor:
+    """Inputs of a map format's vector-encode checker: every 512th float in [0, 1], each threshold and map
+    value of both signednesses with its float neighbours, and ``specials``, all with both signs (clamped
+    to [-1, 1] if ``clamp``), in a scrambled order (unrelated codes side by side); ``multiple`` divides the count."""
+    from qstate.optim._codec import _code_thresholds, get_codec
+
+    sweep = torch.arange(0, 0x3F800001, 512, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    marks = [torch.tensor(specials)]
+    for signed in (True, False):
+        codec = get_codec(fmt, signed, "cpu")
+        for v in (codec.qmap, _code_thresholds(codec.qmap)):
+            marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
+    y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks])
+    y = y.clamp(-1, 1) if clamp else y
+    y = torch.cat([y, y[: (-y.numel()) % multiple]])
+    return y[torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))]
+
+
+#: the checkers' reference for map states: ENCODE of state 0 or 1 of the configured kind (its tables given)
+_SCALAR_CODE = r"""
 #include "kernel.c"
+static uint8_t scalar_code(float y, int state, const float *qmap0, const int32_t *tab0, const float *qmap1,
+                           const int32_t *tab1) {
+    uint8_t c;
+    if (state == 0) ENCODE(0, y, c);
+    else ENCODE(1, y, c);
+    return c;
+}
+"""
+
+
+_MAP4_CHECK = _SCALAR_CODE + r"""
 /* how many of the n values y[] (no NaN; n a multiple of 16) get another code from the ``lanes``-wide
  * vector encode (16: map4_code16, AVX-512 VBMI; 8: map4_code8 and store_nibbles8, AVX2) than from the scalar
  * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind; -1 if
@@ -443,12 +473,7 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
             return -1;
 #endif
         }
-        for (int i = 0; i < 16; i++) {
-            uint8_t want;
-            if (state == 0) ENCODE(0, y[k + i], want);
-            else ENCODE(1, y[k + i], want);
-            bad += got[i] != want;
-        }
+        for (int i = 0; i < 16; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1);
     }
     return bad;
 }
@@ -461,22 +486,11 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials
     import ctypes
 
-    from qstate.optim._codec import _code_thresholds, get_codec
-
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic"),
               qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)]
     fn = _checker(tmp_path, states, _MAP4_CHECK, "map4_mismatches")
-    bits = torch.arange(0, 0x3F800001, 512, dtype=torch.int64)  # 0 .. 1.0
-    sweep = bits.to(torch.int32).view(torch.float32)
-    marks = [torch.tensor([0.0, 1.0, 2.0**-149, 1e-30])]
-    for signed in (True, False):
-        codec = get_codec("4bit", signed, "cpu")
-        for v in (codec.qmap, _code_thresholds(codec.qmap)):
-            marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
-    y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks]).clamp(-1, 1)
-    y = torch.cat([y, y[: (-y.numel()) % 16]])
-    y = y[torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))]  # unrelated codes side by side
+    y = _map_inputs("4bit", [0.0, 1.0, 2.0**-149, 1e-30], 16, clamp=True)
     tables = [_cpu_kernel._table_pointers(state_entry(s)) for s in states]
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
     for qmap, table, _, _, threshold in tables:
@@ -484,4 +498,48 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     results = [fn(*args, ctypes.c_int(state), ctypes.c_int(lanes)) for state in (0, 1)]
     if -1 in results:
         pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
+    assert results == [0, 0]
+
+
+_MAP8_CHECK = _SCALAR_CODE + r"""
+/* how many of the n values y[] (n a multiple of 32) get another code from the AVX2 encode of 8-bit map states
+ * (table_code8 through CODE8, and store_codes32) than from the scalar ENCODE, for state ``state`` (0: signed,
+ * 1: unsigned; both round to nearest) of the configured kind; -1 if this build lacks it */
+int64_t map8_mismatches(const float *y, int64_t n, const float *qmap0, const int32_t *tab0, const float *qmap1,
+                        const int32_t *tab1, int state) {
+#if HAVE_AVX2
+    int64_t bad = 0;
+    for (int64_t k = 0; k + 32 <= n; k += 32) {
+        __m256i c[4];
+        uint8_t got[32];
+        for (int q = 0; q < 4; q++)
+            c[q] = state == 0 ? CODE8(0, _mm256_loadu_ps(y + k + 8 * q)) : CODE8(1, _mm256_loadu_ps(y + k + 8 * q));
+        store_codes32(c, got);
+        for (int i = 0; i < 32; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1);
+    }
+    return bad;
+#else
+    return -1;
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+def test_8bit_vector_encode_equals_the_scalar_encode(tmp_path):
+    # table_code8 (8 codes at a time, AVX2) against ENCODE (the packed table) for the two states of 8bit AdamW:
+    # every 512th float in [-1, 1], each threshold and map value with its float neighbours, values past 1
+    # (the table's clamped keys), zeros of both signs, infinities and NaNs of both signs
+    import ctypes
+
+    p = torch.zeros(2, 256)
+    states = [qstate.zeros_like(p, "8bit", signed=s, dtype=torch.float32) for s in (True, False)]
+    fn = _checker(tmp_path, states, _MAP8_CHECK, "map8_mismatches")
+    y = _map_inputs("8bit", [0.0, 1.0, 1.5, 2.0**-149, 1e-30, 2.0**100, float("inf"), float("nan")], 32, clamp=False)
+    args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
+    for qmap, table, *_ in (_cpu_kernel._table_pointers(state_entry(s)) for s in states):
+        args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table)]
+    results = [fn(*args, ctypes.c_int(state)) for state in (0, 1)]
+    if -1 in results:
+        pytest.skip("this machine's build has no AVX2 path")
     assert results == [0, 0]

@@ -40,9 +40,10 @@
  * with an infinite or NaN scale stay scalar). With AVX2 (on machines without AVX-512 VBMI, and for
  * what the 64- and 16-lane loops leave), fp8 states encode 8 values at a time (fp8_code8) and decode
  * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
- * search) and decode from two registers (lookup16); 8-bit map states keep the scalar loops there (an
- * AVX2 gather costs about what a scalar lookup does). Everything else, and every tail, uses the
- * scalar definitions, which the portable build runs throughout.
+ * search) and decode from two registers (lookup16), and 8-bit map states rounded to nearest encode 8
+ * at a time (table_code8: ENCODE's steps in vectors around a gather of the packed table). Everything
+ * else (stochastic rounding of 8-bit map states included), and every tail, uses the scalar
+ * definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
  * Plain states (S<i>_PLAIN) are read as float32 and written back in their dtype: the inductor
@@ -602,6 +603,31 @@ static inline __m256i fp8_code8(__m256 y, int is_signed) {
     return code;
 }
 
+/* ENCODE's packed-table nearest code (no stochastic rounding) of 8 values of an 8-bit map state, in 32-bit
+ * lanes: ENCODE's integer steps lane by lane (key, low bits folded for negatives, the compare with the
+ * entry's field, the unsigned zero step), the table read with a gather. The gather costs about what 8
+ * scalar lookups do; the steps around it are what the vector form saves. */
+static inline __m256i table_code8(__m256 y, const int32_t *restrict tab, int shift, int32_t base, int32_t k,
+                                  int is_signed, int32_t zero) {
+    const __m256 z = _mm256_setzero_ps();
+    const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y, z, _CMP_LT_OQ));
+    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7fffffff));
+    __m256i key = _mm256_sub_epi32(_mm256_srli_epi32(mag, shift), _mm256_set1_epi32(base));
+    key = _mm256_min_epi32(_mm256_max_epi32(key, _mm256_setzero_si256()), _mm256_set1_epi32(k - 1));
+    key = _mm256_add_epi32(key, _mm256_and_si256(neg, _mm256_set1_epi32(k)));
+    const __m256i entry = _mm256_i32gather_epi32((const int *)tab, key, 4);
+    const __m256i mask = _mm256_set1_epi32((int32_t)((1u << shift) - 1u));
+    /* ENCODE's mask - low for negatives: low <= mask, so the same as low ^ mask */
+    const __m256i low = _mm256_xor_si256(_mm256_and_si256(mag, mask), _mm256_and_si256(neg, mask));
+    __m256i c = _mm256_sub_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xff)),
+                                 _mm256_cmpgt_epi32(low, _mm256_srai_epi32(entry, 8)));
+    if (!is_signed) {
+        const __m256i positive = _mm256_castps_si256(_mm256_cmp_ps(y, z, _CMP_GT_OQ));
+        c = _mm256_sub_epi32(c, _mm256_and_si256(positive, _mm256_cmpeq_epi32(c, _mm256_set1_epi32(zero))));
+    }
+    return c;
+}
+
 /* 32 codes (32-bit lanes, each 0..255; c[k] holds codes 8k .. 8k + 7) as 32 bytes */
 static inline void store_codes32(const __m256i c[4], uint8_t *restrict out) {
     /* dword k of the packed bytes holds codes 0-3 of c[k % 4] (k < 4) or codes 4-7 of c[k % 4] */
@@ -749,16 +775,21 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #endif
 #if HAVE_AVX2
 #define DIV8(x, j0) _mm256_div_ps(_mm256_loadu_ps((x) + (j0)), vdiv_)
-/* fp8 codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them) */
-#define ENCODE_FP8_AVX2(i, x, bn, div, out, j0)                                           \
-    if (S##i##_FP8) {                                                                     \
+/* the code of 8 values y of 8-bit state i (fp8, or a map state rounded to nearest), in 32-bit lanes */
+#define CODE8(i, y) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED)                                 \
+                                : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K,  \
+                                              S##i##_SIGNED, S##i##_ZERO))
+/* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); map states
+ * with stochastic rounding stay scalar */
+#define ENCODE8_AVX2(i, x, bn, div, out, j0)                                              \
+    if (S##i##_FP8 || !S##i##_SR) {                                                       \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
         for (; (j0) + 32 <= (bn); (j0) += 32) {                                           \
             __m256i c_[4];                                                                \
-            for (int q_ = 0; q_ < 4; q_++) c_[q_] = fp8_code8(DIV8(x, (j0) + 8 * q_), S##i##_SIGNED); \
+            for (int q_ = 0; q_ < 4; q_++) c_[q_] = CODE8(i, DIV8(x, (j0) + 8 * q_));     \
             store_codes32(c_, (out) + (j0));                                              \
         }                                                                                 \
-        for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(fp8_code8(DIV8(x, j0), S##i##_SIGNED), (out) + (j0)); \
+        for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(CODE8(i, DIV8(x, j0)), (out) + (j0)); \
     }
 /* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain (ENC4_VECTOR_BLOCK) */
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
@@ -770,7 +801,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             store_nibbles8(map4_code8(DIV8(x, j0), &s_, q_, S##i##_SR), (bp) + (j0) / 2); \
     }
 #else
-#define ENCODE_FP8_AVX2(i, x, bn, div, out, j0)
+#define ENCODE8_AVX2(i, x, bn, div, out, j0)
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)
 #endif
 
@@ -794,7 +825,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             int64_t j0 = 0;                                                               \
             ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                    \
             ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                                 \
-            ENCODE_FP8_AVX2(i, x, bn, div, cp + b0, j0)                                   \
+            ENCODE8_AVX2(i, x, bn, div, cp + b0, j0)                                      \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0; j < bn; j++) {                                           \
