@@ -222,17 +222,63 @@ def test_one_build_per_kind_not_per_shape(monkeypatch):
     assert len(_cpu_kernel.built_kinds()) == len(CASES) - 1
 
 
-def test_bf16_stochastic_rounding_of_params_keeps_the_inductor_kernel():
-    # its random bits come from torch's generator, which only the inductor kernel draws from
-    q = qstate.zeros_like(torch.randn(8, 256), "4bit", signed=True, dtype=torch.float32, rounding=SR)
-    flags = (("maximize", False), ("momentum", True), ("nesterov", False))
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` of int64 tensors holding uint32 values, without int64 overflow."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
+    """The C kernel's stochastic rounding (``store_p_sr``, ``param_draw``) of float32 ``value`` with ``key``,
+    in torch ops: qstate.optim._rounding's rule with the draws the top 16 bits of a hash of the key and each
+    element's flat index. ``value`` finite."""
+    index = torch.arange(value.numel(), dtype=torch.int64)
+    draw = _lowbias32(_lowbias32((index & 0xFFFFFFFF) ^ (key & 0xFFFFFFFF)) ^ (index >> 32) ^ (key >> 32)) >> 16
+    bits = value.flatten().view(torch.int32).long() & 0xFFFFFFFF
+    truncated = bits & 0xFFFF0000
+    rounded = torch.where(draw < (bits & 0xFFFF), truncated + 0x10000, truncated)
+    return (rounded >> 16).to(torch.int16).view(torch.bfloat16).reshape(value.shape)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "fp32"])
+def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
+    # bfloat16 parameters with stochastic rounding take the C kernel, which rounds with its own draws: one key
+    # per parameter and update from torch's generator (in parameter order), hashed with each element's flat
+    # index. Each parameter equals that rule applied in torch ops to the float32 result of the same update of
+    # float32 copies, both when the parameters run one by one (first step) and as one prepared call (second)
+    shapes = PLAIN_SHAPES if fmt == "fp32" else SHAPES
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+    states = [[torch.zeros_like(p, dtype=torch.float32) if fmt == "fp32" else
+               qstate.zeros_like(p, fmt, signed=signed, dtype=torch.float32) for p in ps] for signed in (True, False)]
     cpu = torch.device("cpu")
-    spec = KernelSpec("sgd", flags, torch.bfloat16, False, (state_entry(q),), "cpu")
+    spec = KernelSpec.of("adam", (("decoupled", True),), ps[0], [s[0] for s in states], True)
     assert _cpu_kernel.supports(spec, cpu, torch.bfloat16)
-    spec_sr = KernelSpec("sgd", flags, torch.bfloat16, True, (state_entry(q),), "cpu")
-    assert not _cpu_kernel.supports(spec_sr, cpu, torch.bfloat16)
-    with cpu_kernel_enabled(False):
-        assert not _cpu_kernel.supports(spec, cpu, torch.bfloat16)
+    for step in (1, 2):
+        gs = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+        ref_ps = [p.float() for p in ps]
+        ref_states = [[s.clone() for s in group] for group in states]
+        _adamw_8bit(ref_ps, [g.float() for g in gs], ref_states, step)  # float32: nothing to round
+        calls = _cpu_kernel.prepared_calls()
+        torch.manual_seed(step)
+        F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                compile=True, grad_scale=torch.tensor(4.0), stochastic_round=True)
+        assert _cpu_kernel.prepared_calls() == calls + (len(ps) if step == 1 else 0)
+        torch.manual_seed(step)
+        keys = [_cpu_kernel.param_key() for _ in ps]
+        for p, ref, key in zip(ps, ref_ps, keys):
+            assert torch.equal(p, _kernel_stochastic_round(ref, key))
+        for group, ref_group in zip(states, ref_states):
+            for s, r in zip(group, ref_group):
+                assert torch.equal(*_parts(s, r))
+    # not every element rounded to nearest, nor all one way
+    p, ref = ps[0].float(), ref_ps[0]
+    assert bool((p > ref).any()) and bool((p < ref).any()) and not torch.equal(ps[0], ref.bfloat16())
 
 
 class TestErrors(expecttest.TestCase):

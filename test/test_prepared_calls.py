@@ -205,13 +205,13 @@ def _patch_run_prepared(monkeypatch, one_by_one: bool) -> list:
     at a time (the reference); returns the sizes."""
     sizes: list = []
 
-    def patched(calls, params, grads, hyper):
+    def patched(calls, params, grads, hyper, keys):
         sizes.append(len(calls))
         if one_by_one:
-            for call, p, g in zip(calls, params, grads):
-                _RUN_PREPARED([call], [p], [g], hyper)
+            for call, p, g, key in zip(calls, params, grads, keys):
+                _RUN_PREPARED([call], [p], [g], hyper, [key])
         else:
-            _RUN_PREPARED(calls, params, grads, hyper)
+            _RUN_PREPARED(calls, params, grads, hyper, keys)
 
     monkeypatch.setattr(_cpu_kernel, "run_prepared", patched)
     return sizes
@@ -274,10 +274,10 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
     # PendingCalls.add(..., owner=X) (a DTensor parameter X queued through its shard's call): an update
     # of X outside the queue (before(X)) runs the queue first; one of another tensor does not
     ran = []
-    monkeypatch.setattr(_cpu_kernel, "run_prepared", lambda calls, ps, gs, hyper: ran.append(len(calls)))
+    monkeypatch.setattr(_cpu_kernel, "run_prepared", lambda calls, ps, gs, hyper, keys: ran.append(len(calls)))
 
     class Call:
-        kernel = 1
+        kernel, sr = 1, False
 
     pending = _cpu_kernel.PendingCalls()
     shard, owner, other = torch.zeros(1), torch.zeros(1), torch.zeros(1)

@@ -21,9 +21,18 @@ Which kinds it takes (:func:`supports`): CPU, every state a ``QuantizedState``
 of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
 (stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), or every
 state a plain float32/bfloat16 tensor (read and written in place), a float32 or
-bfloat16 parameter without stochastic rounding (whose random bits come from
-torch's generator, which only the inductor kernel draws from). Everything
-else keeps the compiled inductor kernel. ``cpu_kernel_enabled(False)`` turns
+bfloat16 parameter. Everything else keeps the compiled inductor kernel.
+
+Stochastic rounding of a bfloat16 parameter (``PARAM_SR``): the C kernel
+cannot draw from torch's generator, so it hashes its own draws from a key per
+parameter and update (:func:`param_key`, 63 bits drawn from torch's CPU
+generator, which the optimizer seeds from ``(seed, group, step)``) and each
+element's flat index (csrc: ``param_draw``), then applies
+:mod:`qstate.optim._rounding`'s rule. Keys are drawn in the caller's parameter
+order whether the update runs now (:func:`run`) or is queued
+(:meth:`PendingCalls.add`), so batching never changes the draws and a resumed
+run continues the same stream. The draws differ from the op-by-op path's
+``randint_like`` (as the inductor kernel's did); their distribution is the same. ``cpu_kernel_enabled(False)`` turns
 it off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
@@ -218,8 +227,6 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
         return False
     if spec.param_dtype not in _DTYPES or grad_dtype not in _DTYPES:
         return False
-    if spec.stochastic_round and spec.param_dtype == torch.bfloat16:
-        return False
     if all(s[0] == "plain" for s in spec.states):
         return all(s[1] in _DTYPES for s in spec.states) and _compiler() is not None
     for s in spec.states:
@@ -232,6 +239,18 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
     if any(get_format(s[1]).bits == 4 for s in spec.states) and group % 2:
         return False
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
+
+
+def _param_sr(spec) -> bool:
+    """Whether the kind writes its bfloat16 parameter with stochastic rounding (the kernel's PARAM_SR)."""
+    return spec.stochastic_round and spec.param_dtype == torch.bfloat16
+
+
+def param_key() -> int:
+    """A parameter's stochastic-rounding key for one update: 63 random bits from the CPU's default
+    generator (the optimizer's rounding stream, which ``QuantizedOptimizer.step`` seeds from the seed,
+    group and step), drawn as the parameter's turn comes, whichever path its update takes."""
+    return int(torch.empty((), dtype=torch.int64).random_())
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,6 +266,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines += [f"#define {name.upper()} {int(bool(flags.get(name, False)))}" for name in _FLAG_MACROS]
     lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
+    lines.append(f"#define PARAM_SR {int(_param_sr(spec))}")
     lines.append(f"#define NSTATES {len(spec.states)}")
     sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
@@ -316,10 +336,11 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,
-                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64]
     dll.qstate_update_many.restype = None
     dll.qstate_update_many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState),
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                       ctypes.c_void_p]
     return dll
 
 
@@ -395,7 +416,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     dll, tables = loaded
     arr, rows, row_len = state_slots(spec, p, states, tables)
     call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len)
-    call(p, g, hyper)
+    call(p, g, hyper, param_key() if call.sr else 0)
     _PREPARED[_key(p, states)] = call
 
 
@@ -418,13 +439,15 @@ class PreparedCall:
     still those, by identity and data pointer, before the slots are trusted again.
     """
 
-    __slots__ = ("kind", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "param", "states", "p_ptr", "p_dtype",
-                 "g_dtype", "g_shape", "buffers", "maps")
+    __slots__ = ("kind", "sr", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "param", "states", "p_ptr",
+                 "p_dtype", "g_dtype", "g_shape", "buffers", "maps")
 
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
                  rows: int, row_len: int):
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
+        #: whether each call takes a stochastic-rounding key (:func:`param_key`)
+        self.sr = _param_sr(spec)
         #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
@@ -460,18 +483,20 @@ class PreparedCall:
                 return False
         return _buffers(states) == self.buffers
 
-    def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]]) -> None:
+    def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
+        """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
         self.fn(self.p_ptr, g.data_ptr(), self.slots, _hyper_arg(hyper), self.rows, self.row_len,
-                _threads(self.numel))
+                _threads(self.numel), key)
         torch.autograd.graph.increment_version(p)
 
 
 def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads: Sequence[Tensor],
-                 hyper: Union[Tensor, Sequence[float]]) -> None:
-    """Valid prepared calls of one kernel (the same ``kernel``), each with its parameter and gradient, as one
-    C call: one parallel region over all their work items (a parameter may appear once)."""
+                 hyper: Union[Tensor, Sequence[float]], keys: Sequence[int]) -> None:
+    """Valid prepared calls of one kernel (the same ``kernel``), each with its parameter, gradient and
+    stochastic-rounding key, as one C call: one parallel region over all their work items (a parameter may
+    appear once)."""
     if len(calls) == 1:
-        calls[0](params[0], grads[0], hyper)
+        calls[0](params[0], grads[0], hyper, keys[0])
         return
     n, per = len(calls), len(calls[0].slots)
     slots = (_QState * (n * per))()  # parameter k's states at slots[k * per:(k + 1) * per]
@@ -484,7 +509,7 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
     row_len = (ctypes.c_int64 * n)(*[c.row_len for c in calls])
     first = (ctypes.c_int64 * (n + 1))()  # the kernel's scratch: each parameter's first work item
     calls[0].many(n, p_ptrs, g_ptrs, slots, _hyper_arg(hyper), rows, row_len, first,
-                  _threads(sum(c.numel for c in calls)))
+                  _threads(sum(c.numel for c in calls)), (ctypes.c_uint64 * n)(*keys))
     torch.autograd.graph.increment_version(params)
 
 
@@ -493,7 +518,7 @@ class PendingCalls:
     per kernel and caller's group (the step: the scalars); a parameter added twice runs twice, in order."""
 
     def __init__(self):
-        self.groups: dict[tuple, tuple[Union[Tensor, Sequence[float]], list, list, list]] = {}
+        self.groups: dict[tuple, tuple[Union[Tensor, Sequence[float]], list, list, list, list]] = {}
         self.params: set[int] = set()
 
     def before(self, p: Tensor) -> None:
@@ -503,7 +528,8 @@ class PendingCalls:
 
     def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]],
             owner: Optional[Tensor] = None) -> None:
-        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group``.
+        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group`` (a
+        stochastically rounding call draws its key now: in the caller's parameter order, as :func:`run` does).
 
         ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
         whose updates outside the queue (:meth:`before`) must also wait for this one."""
@@ -512,14 +538,15 @@ class PendingCalls:
         if owner is not None:
             self.before(owner)
             self.params.add(id(owner))
-        _, calls, ps, gs = self.groups.setdefault((call.kernel, group), (hyper, [], [], []))
+        _, calls, ps, gs, keys = self.groups.setdefault((call.kernel, group), (hyper, [], [], [], []))
         calls.append(call)
         ps.append(p)
         gs.append(g)
+        keys.append(param_key() if call.sr else 0)
 
     def run(self) -> None:
-        for hyper, calls, ps, gs in self.groups.values():
-            run_prepared(calls, ps, gs, hyper)
+        for hyper, calls, ps, gs, keys in self.groups.values():
+            run_prepared(calls, ps, gs, hyper, keys)
         self.groups.clear()
         self.params.clear()
 

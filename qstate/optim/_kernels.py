@@ -37,8 +37,9 @@ Shape independence
 On CPU, the kinds :func:`._cpu_kernel.supports` takes (states all 8bit /
 4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
 hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
-bit, one build per kind, about 5x faster than inductor's code for quantized
-states. :func:`run_fused` chooses.
+bit (except a stochastically rounded bfloat16 parameter's random bits: the C
+kernel hashes its own), one build per kind, about 5x faster than inductor's
+code for quantized states. :func:`run_fused` chooses.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; DTensor parameters reach it shard by shard through the operator

@@ -15,8 +15,9 @@ Paths
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
   ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
-  takes: a parameter's later steps reuse its prepared call, and a step's
-  prepared calls of one kernel run as one C call), except parameters with
+  takes, bf16 stochastic rounding with its own draws included: a parameter's
+  later steps reuse its prepared call, and a step's prepared calls of one
+  kernel run as one C call), except parameters with
   plain states and fewer than
   :data:`SMALL_PLAIN_NUMEL` elements (biases, norms) of kinds the C kernel
   does not take, which run eagerly: faster than a compiled kernel's call for

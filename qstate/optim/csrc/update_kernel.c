@@ -6,7 +6,8 @@
  *   RULE_ADAM | RULE_LION | RULE_SGD     the update rule (qstate/optim/_rules.py)
  *   DECOUPLED, AMSGRAD, MAXIMIZE, MOMENTUM, NESTEROV   the rule's static flags (0/1)
  *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
- *                                        is written rounded to nearest even)
+ *                                        is written rounded to nearest even, or with PARAM_SR
+ *                                        stochastically: store_p_sr, from the caller's key)
  *   NSTATES                              number of quantized states (1..3)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
@@ -32,7 +33,8 @@
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
- * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
+ * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8;
+ * a PARAM_SR parameter's random bits are this kernel's own (param_draw).
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
@@ -211,6 +213,23 @@ static inline uint32_t lowbias32(uint32_t x) {
     x *= 0x846ca68bu;
     return x ^ (x >> 16);
 }
+
+#if PARAM_SR
+/* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_rounding.py's rule (round the magnitude up
+ * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
+ * C kernel's own draws: param_draw of the caller's 64-bit key (one per parameter and step) and the
+ * element's flat index lo | hi << 32. For one key and hi the inner and outer hashes are bijections of lo:
+ * every element of a parameter (below 2**32 of them) gets its own 32-bit hash, of which the draw is the top
+ * 16 bits. */
+static inline uint32_t param_draw(uint64_t key, uint32_t lo, uint32_t hi) {
+    return lowbias32(lowbias32(lo ^ (uint32_t)key) ^ hi ^ (uint32_t)(key >> 32)) >> 16;
+}
+
+static inline uint16_t store_p_sr(float x, uint32_t draw) {
+    const uint32_t u = f2u(x), truncated = u & 0xffff0000u;
+    return f_to_bf16(u2f(draw < (u & 0xffffu) ? truncated + 0x10000u : truncated));
+}
+#endif
 
 /* stochastic_code's draw, (float)(lowbias32(bits of y) >> 8), in each 32-bit lane of a W-bit vector (W:
  * 512 or 256, the intrinsics' width; defined for the widths the build has, before their map4_code) */
@@ -862,10 +881,12 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
     }
 
-/* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT). */
+/* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT); ``row_start``: the flat index of the
+ * row's first element, ``key``: the parameter's stochastic-rounding key (both read only with PARAM_SR). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
-                           const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len) {
-    (void)enc;
+                           const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len,
+                           int64_t row_start, uint64_t key) {
+    (void)enc, (void)row_start, (void)key;
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
@@ -881,10 +902,20 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
             __builtin_prefetch((const void *)((uintptr_t)(gp + k) + PREFETCH_AHEAD * sizeof *gp), 0);
         }
         FOR_STATES(ZERO_GMAX)
+#if PARAM_SR
+        /* element j's flat index: lo0 + j, carrying into hi0 where the low word wraps */
+        const uint32_t lo0 = (uint32_t)(uint64_t)(row_start + col), hi0 = (uint32_t)((uint64_t)(row_start + col) >> 32);
+#endif
         for (int64_t j = 0; j < n; j++) {
             float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
             FOR_STATES(LOAD_STATE)
-            pp[j] = store_p(rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, f2, f3));
+            const float new_p = rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, f2, f3);
+#if PARAM_SR
+            const uint32_t lo = lo0 + (uint32_t)j;
+            pp[j] = store_p_sr(new_p, param_draw(key, lo, hi0 + (lo < lo0)));
+#else
+            pp[j] = store_p(new_p);
+#endif
             FOR_STATES(STORE_STATE)
         }
         FOR_STATES(SAVE_GMAX)
@@ -896,9 +927,11 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
 /* The update of n parameters of this kind in one parallel region: parameter k (rows[k] x row_len[k]
  * elements, its states st[k * NSTATES ...]) owns work items first[k] .. first[k + 1] - 1, one per
  * (row, UNIT-segment); ``first``: the caller's scratch of n + 1 entries. Every parameter's states
- * share the kind's tables (those of st[0 .. NSTATES-1]). */
+ * share the kind's tables (those of st[0 .. NSTATES-1]). ``keys``: each parameter's stochastic-rounding
+ * key (read only with PARAM_SR; else may be NULL). */
 void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, const qstate_t *st, const float *h,
-                        const int64_t *rows, const int64_t *row_len, int64_t *first, int nthreads) {
+                        const int64_t *rows, const int64_t *row_len, int64_t *first, int nthreads,
+                        const uint64_t *keys) {
     if (n <= 0) return;
     first[0] = 0;
     for (int64_t k = 0; k < n; k++) first[k + 1] = first[k] + rows[k] * ((row_len[k] + UNIT - 1) / UNIT);
@@ -917,13 +950,14 @@ void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, co
         const int64_t k = lo, segs = (row_len[k] + UNIT - 1) / UNIT, local = it - first[k];
         const int64_t r = local / segs, c0 = (local % segs) * UNIT;
         const int64_t len = (row_len[k] - c0) < UNIT ? (row_len[k] - c0) : UNIT;
-        update_segment(p[k] + r * row_len[k], g[k] + r * row_len[k], st + k * NSTATES, h, planes, enc, r, c0, len);
+        update_segment(p[k] + r * row_len[k], g[k] + r * row_len[k], st + k * NSTATES, h, planes, enc, r, c0, len,
+                       r * row_len[k], PARAM_SR ? keys[k] : 0);
     }
 }
 
 /* The whole update of one parameter: rows x row_len elements (qstate_update_many with n = 1). */
 void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float *h, int64_t rows, int64_t row_len,
-                   int nthreads) {
+                   int nthreads, uint64_t key) {
     int64_t first[2];
-    qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads);
+    qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads, &key);
 }
