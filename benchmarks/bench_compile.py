@@ -5,7 +5,9 @@ quantizes (>= 4096 elements, a multiple of 256; one 4-D conv weight) and 6
 distinct 1-D shapes with plain states. qstate compiles one kernel per kernel
 kind whatever the shapes (on CPU a C kernel: one for the quantized states, one for the
 plain ones);
-torchao's AdamW8bit compiles one graph per shape.
+torchao's AdamW8bit compiles one graph per shape. The "bf16 SR params" candidates
+run the same model in bfloat16 with ``bf16_stochastic_round=True`` (on CPU the C
+kernel, which rounds with its own draws).
 Each candidate runs in a fresh process with an empty compile cache, so its
 first step includes all of its compilation.
 
@@ -27,6 +29,9 @@ from qstate.optim import AdamW, kernel_kinds
 from qstate.optim._cpu_kernel import built_kinds
 
 QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")
+#: suffix of the candidates with bfloat16 parameters rounded stochastically
+BF16_SR = " bf16 SR params"
+QSTATE_BF16_SR = tuple(name + BF16_SR for name in QSTATE[:2])
 TORCHAO = "torchao AdamW8bit"
 
 
@@ -43,14 +48,17 @@ def run_one(name: str) -> dict:
     ``{"skipped": why}`` when ``name`` is a third-party optimizer that is not importable.
     """
     cold_compile_cache()
-    if name in QSTATE:
-        make = lambda ps: AdamW(ps, lr=1e-3, state_format=name.split()[1])  # noqa: E731
+    ours = name in QSTATE + QSTATE_BF16_SR
+    sr = name.endswith(BF16_SR)
+    if ours:
+        make = lambda ps: AdamW(ps, lr=1e-3, state_format=name.split()[1],  # noqa: E731
+                                bf16_stochastic_round=sr)
     else:
         makers, notes = third_party_adamw8bit()
         if name not in makers:
             return {"skipped": "; ".join(notes) if notes else f"unknown candidate {name!r}"}
         make = makers[name]
-    m = model()
+    m = model().to(torch.bfloat16 if sr else torch.float32)
     params = list(m.parameters())
     for p in params:
         p.grad = torch.randn_like(p)
@@ -63,8 +71,8 @@ def run_one(name: str) -> dict:
     return {"first_step_s": first, "second_step_ms": 1e3 * second, "graphs": graphs,
             "params": len(params), "numel": sum(p.numel() for p in params),
             "shapes": len({tuple(p.shape) for p in params}),
-            "kernel_kinds": kernel_kinds() if name in QSTATE else [],
-            "c_kernels": built_kinds() if name in QSTATE else []}
+            "kernel_kinds": kernel_kinds() if ours else [],
+            "c_kernels": built_kinds() if ours else []}
 
 
 def run_fresh(name: str) -> dict:
@@ -81,7 +89,7 @@ def run_fresh(name: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--candidates", default=",".join(QSTATE + (TORCHAO,)))
+    ap.add_argument("--candidates", default=",".join(QSTATE + QSTATE_BF16_SR + (TORCHAO,)))
     ap.add_argument("--out", default=RESULTS_DIR, help="directory for bench_compile.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one candidate, print its JSON
     args = ap.parse_args()
@@ -102,9 +110,9 @@ def main() -> None:
     r0 = next(iter(rows.values()))
     print(f"\nmodel: {r0['params']} parameters, {r0['numel']:,} elements, {r0['shapes']} distinct shapes "
           f"(6 quantized weights, 6 plain 1-D); fresh process and empty compile cache per optimizer")
-    print(f"{'optimizer':20s} {'graphs':>6s} {'C kernels':>9s} {'first step s':>12s} {'second step ms':>14s}")
+    print(f"{'optimizer':28s} {'graphs':>6s} {'C kernels':>9s} {'first step s':>12s} {'second step ms':>14s}")
     for name, r in rows.items():
-        print(f"{name:20s} {r['graphs']:6d} {len(r['c_kernels']):9d} {r['first_step_s']:12.2f} "
+        print(f"{name:28s} {r['graphs']:6d} {len(r['c_kernels']):9d} {r['first_step_s']:12.2f} "
               f"{r['second_step_ms']:14.2f}")
     for name, r in rows.items():
         if r["kernel_kinds"]:
