@@ -248,8 +248,8 @@ def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])
 def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
     # bfloat16 parameters with stochastic rounding take the C kernel, which rounds with its own draws: one key
-    # per parameter and update from torch's generator (in parameter order), hashed with each element's flat
-    # index. Each parameter equals that rule applied in torch ops to the float32 result of the same update of
+    # per parameter and update (ParamKeys: one base from torch's generator, mixed with the parameter's
+    # position), hashed with each element's flat index. Each parameter equals that rule applied in torch ops to the float32 result of the same update of
     # float32 copies, both when the parameters run one by one (first step) and as one prepared call (second)
     shapes = PLAIN_SHAPES if fmt == "fp32" else SHAPES
     gen = torch.Generator().manual_seed(0)
@@ -270,7 +270,8 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
                 compile=True, grad_scale=torch.tensor(4.0), stochastic_round=True)
         assert _cpu_kernel.prepared_calls() == calls + (len(ps) if step == 1 else 0)
         torch.manual_seed(step)
-        keys = [_cpu_kernel.param_key() for _ in ps]
+        keys = _cpu_kernel.ParamKeys()
+        keys = [keys(i) for i in range(len(ps))]
         for p, ref, key in zip(ps, ref_ps, keys):
             assert torch.equal(p, _kernel_stochastic_round(ref, key))
         for group, ref_group in zip(states, ref_states):

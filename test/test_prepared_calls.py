@@ -72,9 +72,9 @@ def full_path_calls(monkeypatch) -> list:
     calls: list = []
     run = _cpu_kernel.run
 
-    def counting(spec, p, g, states, hyper):
+    def counting(spec, p, g, states, hyper, key=None):
         calls.append(p)
-        run(spec, p, g, states, hyper)
+        run(spec, p, g, states, hyper, key)
 
     monkeypatch.setattr(_cpu_kernel, "run", counting)
     return calls

@@ -25,11 +25,12 @@ bfloat16 parameter. Everything else keeps the compiled inductor kernel.
 
 Stochastic rounding of a bfloat16 parameter (``PARAM_SR``): the C kernel
 cannot draw from torch's generator, so it hashes its own draws from a key per
-parameter and update (:func:`param_key`, 63 bits drawn from torch's CPU
-generator, which the optimizer seeds from ``(seed, group, step)``) and each
-element's flat index (csrc: ``param_draw``), then applies
-:mod:`qstate.optim._rounding`'s rule. Keys are drawn in the caller's parameter
-order whether the update runs now (:func:`run`) or is queued
+parameter and update (:class:`ParamKeys`: a splitmix64 mix of one base per
+call of the update, 63 bits drawn from torch's CPU generator, which the
+optimizer seeds from ``(seed, group, step)``, and the parameter's position in
+the call) and each element's flat index (csrc: ``param_draw``), then applies
+:mod:`qstate.optim._rounding`'s rule. A key depends on the position only, not
+on whether the update runs now (:func:`run`) or is queued
 (:meth:`PendingCalls.add`), so batching never changes the draws and a resumed
 run continues the same stream. The draws differ from the op-by-op path's
 ``randint_like`` (as the inductor kernel's did); their distribution is the same. ``cpu_kernel_enabled(False)`` turns
@@ -74,7 +75,7 @@ from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "PendingCalls", "prepared",
-           "run_prepared", "prepared_calls", "clear_prepared_calls"]
+           "run_prepared", "prepared_calls", "clear_prepared_calls", "ParamKeys", "param_key"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
@@ -247,10 +248,31 @@ def _param_sr(spec) -> bool:
 
 
 def param_key() -> int:
-    """A parameter's stochastic-rounding key for one update: 63 random bits from the CPU's default
-    generator (the optimizer's rounding stream, which ``QuantizedOptimizer.step`` seeds from the seed,
-    group and step), drawn as the parameter's turn comes, whichever path its update takes."""
+    """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
+    ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
     return int(torch.empty((), dtype=torch.int64).random_())
+
+
+_MASK64 = (1 << 64) - 1
+
+
+class ParamKeys:
+    """The stochastic-rounding keys of one call of the update: ``keys(i)`` for the parameter at position ``i``
+    of the call's list, splitmix64 of ``base + i``, where ``base`` is one :func:`param_key` drawn when the
+    first key is asked for (so a call without stochastic rounding draws nothing)."""
+
+    __slots__ = ("base",)
+
+    def __init__(self):
+        self.base: Optional[int] = None
+
+    def __call__(self, i: int) -> int:
+        if self.base is None:
+            self.base = param_key()
+        z = (self.base + i + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
 
 
 @functools.lru_cache(maxsize=None)
@@ -403,20 +425,22 @@ def _threads(numel: int) -> int:
     return torch.get_num_threads() if numel >= 65536 else 1
 
 
-def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]]) -> None:
+def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]],
+        key: Optional[int] = None) -> None:
     """One fused update of ``p`` and its ``states``, quantized or plain (the caller checked :func:`supports`
     and layouts), and the :class:`PreparedCall` of this update for the next steps.
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
+    ``key``: the stochastic-rounding key of a ``PARAM_SR`` kind (:class:`ParamKeys`; None: a
+    :func:`param_key` drawn now).
     """
-    key = (spec, g.dtype)
-    loaded = _LIBS.get(key)
+    loaded = _LIBS.get((spec, g.dtype))
     if loaded is None:
-        loaded = _LIBS[key] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
+        loaded = _LIBS[spec, g.dtype] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
     dll, tables = loaded
     arr, rows, row_len = state_slots(spec, p, states, tables)
     call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len)
-    call(p, g, hyper, param_key() if call.sr else 0)
+    call(p, g, hyper, (param_key() if key is None else key) if call.sr else 0)
     _PREPARED[_key(p, states)] = call
 
 
@@ -446,7 +470,7 @@ class PreparedCall:
                  rows: int, row_len: int):
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
-        #: whether each call takes a stochastic-rounding key (:func:`param_key`)
+        #: whether each call takes a stochastic-rounding key (:class:`ParamKeys`)
         self.sr = _param_sr(spec)
         #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
@@ -527,9 +551,9 @@ class PendingCalls:
             self.run()
 
     def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]],
-            owner: Optional[Tensor] = None) -> None:
-        """Queue ``call`` of ``p`` with ``g`` and the scalars ``hyper`` of the caller's ``group`` (a
-        stochastically rounding call draws its key now: in the caller's parameter order, as :func:`run` does).
+            owner: Optional[Tensor] = None, key: int = 0) -> None:
+        """Queue ``call`` of ``p`` with ``g``, the scalars ``hyper`` of the caller's ``group`` and, for a
+        stochastically rounding call, its ``key`` (:class:`ParamKeys`).
 
         ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
         whose updates outside the queue (:meth:`before`) must also wait for this one."""
@@ -542,7 +566,7 @@ class PendingCalls:
         calls.append(call)
         ps.append(p)
         gs.append(g)
-        keys.append(param_key() if call.sr else 0)
+        keys.append(key)
 
     def run(self) -> None:
         for hyper, calls, ps, gs, keys in self.groups.values():

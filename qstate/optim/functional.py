@@ -192,8 +192,9 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
     batches: dict[tuple, _Batch] = {}
     ready = _cpu_kernel.PendingCalls()
+    keys = _cpu_kernel.ParamKeys()  # the C kernel's stochastic-rounding keys, by position in ``params``
     direct: Optional[bool] = None
-    for p, g, st, s in zip(params, grads, states, state_steps):
+    for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         dtensor = is_dtensor(p)
@@ -202,7 +203,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         if compile and not dtensor:
             call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
             if call is not None:
-                ready.add(call, p, g, step, scalars.host(step))
+                ready.add(call, p, g, step, scalars.host(step), key=keys(i) if call.sr else 0)
                 continue
         elif compile and not sr:
             if direct is None:  # whether the op would reach its DTensor handler: once per step
@@ -233,7 +234,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
                 batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, small)
             batch.add(p, g, st)
         else:
-            _update_local(rule, flags, static, p, g, list(st), scalars, step, sr)
+            _update_local(rule, flags, static, p, g, list(st), scalars, step, sr, lambda: keys(i))
     ready.run()
     for batch in batches.values():
         try:
@@ -244,13 +245,14 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             batch.run()
 
 
-def _update_local(rule, flags, static, p, g, st, scalars, step, sr) -> None:
-    """One update of a plain parameter with ``compile=True`` (module docstring, "Paths")."""
+def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
+    """One update of a plain parameter with ``compile=True`` (module docstring, "Paths"); ``key()``: its
+    stochastic-rounding key for the C kernel."""
     small, spec = _small_eager(rule, static, p, g, st, sr)
     if not small and fusable(p, g, st):
         spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
         if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
-            _cpu_kernel.run(spec, p, g, st, scalars.host(step))
+            _cpu_kernel.run(spec, p, g, st, scalars.host(step), key() if sr else 0)
         else:
             run_fused(spec, p, g, st, scalars.hyper(step, p.device))
     else:
