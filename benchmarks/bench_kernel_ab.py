@@ -46,9 +46,9 @@ def _setup(fmt: str, numel: int):
     seen = {}
     run = ck.run
 
-    def spy(spec, p, g, states, hyper):
+    def spy(spec, *args):
         seen["spec"] = spec
-        run(spec, p, g, states, hyper)
+        run(spec, *args)
 
     ck.run = spy
     try:
