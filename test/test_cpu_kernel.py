@@ -590,3 +590,19 @@ def test_8bit_vector_encode_equals_the_scalar_encode(tmp_path):
     if -1 in results:
         pytest.skip("this machine's build has no AVX2 path")
     assert results == [0, 0]
+
+
+def test_the_kernel_ab_benchmark_still_runs(tmp_path):
+    # benchmarks/bench_kernel_ab.py reaches into this module (it wraps _cpu_kernel.run, builds the kernel's
+    # slots and calls the C entry point itself): an internal change must not break it silently
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernel_ab.py"
+    source = tmp_path / "kernel.c"
+    args = ["--format", "8bit", "--numel", "64K"]
+    subprocess.run([sys.executable, str(script), "--dump", str(source), *args], check=True, capture_output=True)
+    out = subprocess.run([sys.executable, str(script), str(source), str(source), *args, "--calls", "2"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "B / A = " in out
