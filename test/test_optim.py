@@ -364,6 +364,39 @@ def test_bf16_stochastic_rounding_expected_value_and_resume(compile):
     assert torch.equal(torch.rand(3), a)
 
 
+def test_a_compiled_caller_skips_the_optimizer_and_gets_the_same_results():
+    # torch.compile over code that calls step() or the functional form: dynamo skips them
+    # (torch.compiler.disable) and they run their own kernels, as when called directly. Traced instead, the
+    # optimizer's Python gave 37 graphs and dozens of graph breaks for these three parameters
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(33, 71), (512,), (4, 256)]]
+    ref = clone_params(ps)
+    opt = AdamW(ps, lr=1e-2, state_format="8bit", min_quantize_numel=0)
+    ref_opt = AdamW(ref, lr=1e-2, state_format="8bit", min_quantize_numel=0)
+    step = torch.compile(opt.step)
+    exp_avg, exp_avg_sq = (torch.zeros(4, 256), torch.zeros(4, 256))
+    functional = torch.compile(lambda p, g, k: F.adamw([p], [g], [exp_avg], [exp_avg_sq], [k], lr=1e-2, beta1=0.9,
+                                                       beta2=0.999, eps=1e-8, weight_decay=0.0))
+    p, ref_p = torch.ones(4, 256), torch.ones(4, 256)
+    ref_m, ref_v = torch.zeros(4, 256), torch.zeros(4, 256)
+    for k in range(1, 4):
+        gs = [torch.randn(p.shape) for p in ps]
+        for a, b, g in zip(ps, ref, gs):
+            a.grad, b.grad = g.clone(), g.clone()
+        step()
+        ref_opt.step()
+        g = torch.randn(4, 256)
+        functional(p, g, k)
+        F.adamw([ref_p], [g], [ref_m], [ref_v], [k], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    assert all(torch.equal(a, b) for a, b in zip(ps, ref))
+    assert torch.equal(p, ref_p) and torch.equal(exp_avg, ref_m) and torch.equal(exp_avg_sq, ref_v)
+    assert counters["stats"]["unique_graphs"] == 0
+
+
 def test_step_path_never_unwraps_dtensors():
     import pathlib
 

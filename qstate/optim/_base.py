@@ -279,6 +279,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for d, state in saved:
                 _set_rng(d, state)
 
+    @torch.compiler.disable  # as functional.apply_update: a caller's torch.compile skips the step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:

@@ -157,6 +157,7 @@ def _step_of(s: Union[int, Tensor]) -> int:
     return int(s)
 
 
+@torch.compiler.disable  # runs its own kernels; traced from a caller's torch.compile it is only graph breaks
 def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
                  states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
                  group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
