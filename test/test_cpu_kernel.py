@@ -167,6 +167,32 @@ def test_non_finite_gradients_match_the_inductor_kernel(fmt, rounding):
     assert results[0][2].isnan().any()  # the NaN block's scale
 
 
+def test_fp8_blocks_with_subnormal_scales_saturate_as_torch_converts():
+    # an fp8 block's scale is amax / 448; a subnormal one is coarse, so x / scale can pass 448: amax 1000 * 2**-149
+    # has the scale 2 * 2**-149 and a value 500, which torch's float8_e4m3fn conversion saturates to 448 (0x7e;
+    # NaN only from NaN). The first SGD step's momentum buffer is the gradient itself, so its codes must be the
+    # conversion of g / scale, computed here in torch, for blocks of subnormal, border and normal scales
+    # (16 and 8 lanes, and each block's scalar tail), with the C kernel and with inductor's
+    ulp = 2.0**-149
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 520, generator=gen)  # normal scales; blocks of 40: the vector loops, then a tail of 8
+    small = torch.randint(-999, 1000, (3, 40), generator=gen).float() * ulp
+    g[0, :40], g[0, 40:80], g[1, :40] = small[0], small[1], small[2] * 2.0**20  # subnormal and border scales
+    g[0, 7], g[0, 45], g[1, 3] = 1000 * ulp, -1000 * ulp, 447 * 2.0**-126
+    codes = []
+    for c_kernel in (True, False):
+        p = torch.zeros(3, 520)
+        buf = qstate.zeros_like(p, "fp8", signed=True, block_size=40, dtype=torch.float32)
+        with cpu_kernel_enabled(c_kernel):
+            F.sgd([p], [g.clone()], [buf], [1], lr=0.1, momentum=0.9, compile=True)
+        codes.append(buf.codes)
+        scale = buf.scale.repeat_interleave(40, dim=1)
+        expected = qstate.formats.get_format("fp8").code_of(g / torch.where(scale == 0, 1.0, scale), True, None)
+        assert torch.equal(buf.codes, expected)
+        assert float(buf.scale[0, 0]) == 2 * ulp and int(buf.codes[0, 7]) == 0x7E and int(buf.codes[0, 45]) == 0xFE
+    assert torch.equal(*codes)
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
 @pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8",
                                   "adam_amsgrad_bf16_states_bf16"])
@@ -368,8 +394,10 @@ _FP8_CHECK = r"""
 /* floats start + stride * m for m = 0 .. count - 1 (count a power of two, at least 32; as bit patterns, in a
  * scrambled order so that neighbouring lanes get unrelated codes): how many codes of
  * the ``lanes``-wide vector encode (16: fp8_code16, AVX-512 VBMI; 8: fp8_code8 and store_codes32, AVX2)
- * differ from fp8_code's, for a signed (is_signed = 1) or unsigned state; -1 if this build lacks it */
-int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_signed, int lanes) {
+ * differ from fp8_code's, for a signed (is_signed = 1) or unsigned state; ``bounded``: the encode for
+ * blocks of numbers below 464 in magnitude, given those floats (others, NaNs included, replaced by their
+ * pattern's low 8 bits as a float: a zero or a tiny subnormal); -1 if this build lacks it */
+int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_signed, int lanes, int bounded) {
     int64_t bad = 0;
     for (int64_t k = 0; k < count; k += 32) {
         float y[32];
@@ -377,18 +405,19 @@ int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_si
         for (int i = 0; i < 32; i++) {
             const uint32_t m = (uint32_t)(k + i) * 0x9e3779b1u & (uint32_t)(count - 1); /* a bijection */
             y[i] = u2f(start + stride * m);
+            if (bounded && !(fabsf(y[i]) < 464.0f)) y[i] = u2f((start + stride * m) & 0xffu);
         }
         if (lanes == 16) {
 #if HAVE_VBMI
             for (int h = 0; h < 2; h++)
-                _mm_storeu_si128((__m128i *)(got + 16 * h), fp8_code16(_mm512_loadu_ps(y + 16 * h), is_signed));
+                _mm_storeu_si128((__m128i *)(got + 16 * h), fp8_code16(_mm512_loadu_ps(y + 16 * h), is_signed, bounded));
 #else
             return -1;
 #endif
         } else {
 #if HAVE_AVX2
             __m256i c[4];
-            for (int q = 0; q < 4; q++) c[q] = fp8_code8(_mm256_loadu_ps(y + 8 * q), is_signed);
+            for (int q = 0; q < 4; q++) c[q] = fp8_code8(_mm256_loadu_ps(y + 8 * q), is_signed, bounded);
             store_codes32(c, got);
 #else
             return -1;
@@ -402,21 +431,53 @@ int64_t fp8_mismatches(uint32_t start, uint32_t stride, int64_t count, int is_si
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+@pytest.mark.parametrize("bounded", [0, 1], ids=["any", "bounded"])
 @pytest.mark.parametrize("lanes", [16, 8])
-def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
+def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path, lanes, bounded):
     # fp8_code16 / fp8_code8 (16 / 8 codes at a time) against fp8_code on 2**25 float bit patterns per
     # signedness: every 128th pattern from starts 0 and 77, scrambled (all signs, exponents, NaNs, infinities and
-    # subnormals; the development checks covered all 2**32)
+    # subnormals; the development checks covered all 2**32); bounded (the encode of fp8_bounded blocks): the
+    # patterns below 464 in magnitude
     import ctypes
 
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "fp8", signed=s, dtype=torch.float32) for s in (True, False)]
     fn = _checker(tmp_path, states, _FP8_CHECK, "fp8_mismatches")
-    fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    results = {(start, signed): fn(start, 128, 2**25, signed, lanes) for start in (0, 77) for signed in (1, 0)}
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    results = {(start, signed): fn(start, 128, 2**25, signed, lanes, bounded)
+               for start in (0, 77) for signed in (1, 0)}
     if -1 in results.values():
         pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
     assert results == {key: 0 for key in results}
+
+
+_FP8_SCALAR = r"""
+#include "kernel.c"
+/* fp8_code of the n values y[] (the scalar encode, which the vector encodes are checked against) */
+int64_t fp8_scalar_codes(const float *y, int64_t n, int is_signed, uint8_t *out) {
+    for (int64_t k = 0; k < n; k++) out[k] = fp8_code(y[k], is_signed);
+    return 0;
+}
+"""
+
+
+def test_fp8_scalar_encode_equals_torchs_conversion(tmp_path):
+    # fp8_code against qstate.formats' fp8 code_of (torch's float8_e4m3fn conversion, then the unsigned
+    # rules) on every 1024th float bit pattern (all signs, exponents, subnormals, NaNs) and the saturation
+    # range: 448 .. 480 and past it, infinities
+    import ctypes
+
+    p = torch.zeros(2, 256)
+    states = [qstate.zeros_like(p, "fp8", signed=s, dtype=torch.float32) for s in (True, False)]
+    fn = _checker(tmp_path, states, _FP8_SCALAR, "fp8_scalar_codes")
+    edges = torch.tensor([448.0, 463.99, 464.0, 464.01, 479.99, 480.0, 500.0, 3e38, float("inf"), float("nan")])
+    y = torch.cat([(torch.arange(2**22, dtype=torch.int64) * 1024 + 77).to(torch.int32).view(torch.float32),
+                   edges, -edges, torch.linspace(440.0, 490.0, 4001)])
+    fp8 = qstate.formats.get_format("fp8")
+    for signed in (True, False):
+        out = torch.empty(y.shape, dtype=torch.uint8)
+        fn(ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel()), ctypes.c_int(signed), ctypes.c_void_p(out.data_ptr()))
+        assert torch.equal(out, fp8.code_of(y, signed, None))
 
 
 _FP8_DECODE_CHECK = r"""
@@ -560,7 +621,8 @@ int64_t map8_mismatches(const float *y, int64_t n, const float *qmap0, const int
         __m256i c[4];
         uint8_t got[32];
         for (int q = 0; q < 4; q++)
-            c[q] = state == 0 ? CODE8(0, _mm256_loadu_ps(y + k + 8 * q)) : CODE8(1, _mm256_loadu_ps(y + k + 8 * q));
+            c[q] = state == 0 ? CODE8(0, _mm256_loadu_ps(y + k + 8 * q), 0)
+                           : CODE8(1, _mm256_loadu_ps(y + k + 8 * q), 0);
         store_codes32(c, got);
         for (int i = 0; i < 32; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1);
     }

@@ -4,6 +4,12 @@
 largest element is exact and the others keep 3 mantissa bits
 (relative error <= 2**-4), down to the subnormal step ``2**-9 * scale``.
 Unsigned states round a positive value below that step up to it, never to 0.
+Codes are torch's ``float8_e4m3fn`` conversion, which saturates: a value
+that rounds past 448, an infinity included, takes 448's code, and only NaN
+takes a NaN code. Past 448 happens where the scale is subnormal (a block's
+absmax under ``448 * 2**-126``): ``absmax / 448`` is then coarse (absmax
+``1000 * 2**-149`` has the scale ``2 * 2**-149``, and that element is 500
+scales).
 """
 
 from __future__ import annotations

@@ -254,21 +254,31 @@ static inline int32_t stochastic_code(float y, int32_t c, const float *restrict 
 }
 
 /* fp8 states: float -> float8_e4m3fn bits exactly as torch's conversion (c10's
- * fp8e4m3fn_from_fp32_value: round to nearest even, >= 480 -> NaN); unsigned states as
- * qstate.formats.fp8.code_of: a positive value never encodes as 0, a negative one as 0. */
+ * fp8e4m3fn_from_fp32_value: round to nearest even; a value that rounds past 448, an infinity included,
+ * saturates to 448 (0x7e); NaN -> 0x7f); unsigned states as qstate.formats.fp8.code_of: a positive value
+ * never encodes as 0, a negative one as 0. */
 static inline uint8_t fp8_code(float y, int is_signed) {
     const uint32_t bits = f2u(y), sign = bits & 0x80000000u, mag = bits ^ sign;
     const uint32_t denorm_mask = 141u << 23;
     const uint32_t sub = f2u(u2f(mag) + u2f(denorm_mask)) - denorm_mask;
     const uint32_t normal = (mag + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
-    uint32_t code = mag >= (1087u << 20) ? 0x7fu : (mag < (121u << 23) ? sub : normal);
-    code = (code | (sign >> 24)) & 0xffu;
+    uint32_t code = mag < (121u << 23) ? sub : (normal < 0x7eu ? normal : 0x7eu);
+    code = mag > 0x7f800000u ? 0x7fu : code;
+    code |= sign >> 24;
     if (!is_signed) {
         code = (code == 0u && y > 0.0f) ? 1u : code;
         code = y < 0.0f ? 0u : code;
     }
     return (uint8_t)code;
 }
+
+/* Whether the values y = x / div of an fp8 block are all numbers below 464 in magnitude, which round to at
+ * most 448: then the vector encodes may skip fp8_code's saturation and NaN steps (their ``bounded``). The
+ * divisor is the block's scale fl(amax / 448) (or 1 for scale 0) and every |x| <= amax; a finite normal
+ * divisor is within 2**-24 of amax / 448, so |y| <= 448 (1 + 2**-23). A subnormal one may be off by far
+ * more (amax 1000 * 2**-149 has the divisor 2 * 2**-149, and y = 500), an infinite or NaN one gives NaN
+ * values. */
+static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
 
 /* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
  * then stochastic rounding for S<i>_SR states. */
@@ -499,8 +509,9 @@ static inline void encode8_finish(const enc8_part_t *part, const __m512i t[4][4]
 
 #if HAVE_VBMI
 /* fp8_code of 16 values at once, as bytes: the same integer and float steps in 32-bit lanes (the
- * subnormal sum is the same float addition), truncated to bytes as ``& 0xff`` */
-static inline __m128i fp8_code16(__m512 y, int is_signed) {
+ * subnormal sum is the same float addition); bounded: the values of an fp8_bounded block, which need
+ * neither the saturation nor the NaN step */
+static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
     const __m512i bits = _mm512_castps_si512(y), abs_mask = _mm512_set1_epi32(0x7fffffff);
     const __m512i mag = _mm512_and_si512(bits, abs_mask), denorm_mask = _mm512_set1_epi32(141 << 23);
     const __m512i sub = _mm512_sub_epi32(
@@ -510,8 +521,11 @@ static inline __m128i fp8_code16(__m512 y, int is_signed) {
         _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu))), odd),
         20);
     __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(121 << 23)), normal, sub);
-    code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(mag, _mm512_set1_epi32(1087 << 20)),
-                                 _mm512_set1_epi32(0x7f));
+    if (!bounded) {
+        code = _mm512_min_epu32(code, _mm512_set1_epi32(0x7e));
+        code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(0x7f800000)),
+                                     _mm512_set1_epi32(0x7f));
+    }
     /* code | (bits >> 24 & 0x80): the sign bit */
     code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xf8);
     if (!is_signed) {
@@ -597,8 +611,9 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
     return _mm256_sub_epi32(c, _mm256_castps_si256(up));
 }
 
-/* fp8_code of 8 values, in 32-bit lanes (fp8_code16's steps; mag < 2**31, so signed compares order it) */
-static inline __m256i fp8_code8(__m256 y, int is_signed) {
+/* fp8_code of 8 values, in 32-bit lanes (fp8_code16's steps, bounded as there; mag < 2**31, so signed
+ * compares order it) */
+static inline __m256i fp8_code8(__m256 y, int is_signed, int bounded) {
     const __m256i bits = _mm256_castps_si256(y);
     const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
     const __m256i denorm_mask = _mm256_set1_epi32(141 << 23);
@@ -608,10 +623,11 @@ static inline __m256i fp8_code8(__m256 y, int is_signed) {
     const __m256i bias = _mm256_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x7ffffu));
     const __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, bias), odd), 20);
     __m256i code = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), mag));
-    const __m256i too_big = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32((1087 << 20) - 1));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), too_big);
-    code = _mm256_or_si256(_mm256_and_si256(code, _mm256_set1_epi32(0xff)),
-                           _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
+    if (!bounded) {
+        code = _mm256_min_epi32(code, _mm256_set1_epi32(0x7e));
+        code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000)));
+    }
+    code = _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80)));
     if (!is_signed) {
         const __m256 zero = _mm256_setzero_ps();
         const __m256i low_zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
@@ -789,10 +805,12 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     }
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
-    if (S##i##_FP8)                                                                       \
-        for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)      \
-            _mm_storeu_si128((__m128i *)((out) + (j0)),                                   \
-                             fp8_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), S##i##_SIGNED));
+    if (S##i##_FP8 && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1)             \
+    else if (S##i##_FP8) FP8_LOOP16(i, x, bn, div, out, j0, 0)
+#define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
+    for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
+        _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
+                         fp8_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), S##i##_SIGNED, bounded));
 #else
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
@@ -802,21 +820,25 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #endif
 #if HAVE_AVX2
 #define DIV8(x, j0) _mm256_div_ps(_mm256_loadu_ps((x) + (j0)), vdiv_)
-/* the code of 8 values y of 8-bit state i (fp8, or a map state rounded to nearest), in 32-bit lanes */
-#define CODE8(i, y) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED)                                 \
-                                : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K,  \
-                                              S##i##_SIGNED, S##i##_ZERO))
+/* the code of 8 values y of 8-bit state i (fp8, or a map state rounded to nearest), in 32-bit lanes
+ * (bounded: fp8_code8's, for values of an fp8_bounded block) */
+#define CODE8(i, y, bounded) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED, (bounded))                \
+                                         : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K, \
+                                                       S##i##_SIGNED, S##i##_ZERO))
 /* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); map states
  * with stochastic rounding stay scalar */
 #define ENCODE8_AVX2(i, x, bn, div, out, j0)                                              \
-    if (S##i##_FP8 || !S##i##_SR) {                                                       \
+    if (S##i##_FP8 && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1)         \
+    else if (S##i##_FP8 || !S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)
+#define ENCODE8_LOOPS8(i, x, bn, div, out, j0, bounded)                                   \
+    {                                                                                     \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
         for (; (j0) + 32 <= (bn); (j0) += 32) {                                           \
             __m256i c_[4];                                                                \
-            for (int q_ = 0; q_ < 4; q_++) c_[q_] = CODE8(i, DIV8(x, (j0) + 8 * q_));     \
+            for (int q_ = 0; q_ < 4; q_++) c_[q_] = CODE8(i, DIV8(x, (j0) + 8 * q_), bounded); \
             store_codes32(c_, (out) + (j0));                                              \
         }                                                                                 \
-        for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(CODE8(i, DIV8(x, j0)), (out) + (j0)); \
+        for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(CODE8(i, DIV8(x, j0), bounded), (out) + (j0)); \
     }
 /* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain (ENC4_VECTOR_BLOCK) */
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
