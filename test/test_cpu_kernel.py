@@ -571,7 +571,7 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
 #endif
         } else {
 #if HAVE_AVX2
-            const search4_t s = make_search4(thr);
+            const search4_t s = map4_search8(thr, qmap, sr);
             const __m256 q[2] = {_mm256_loadu_ps(qmap), _mm256_loadu_ps(qmap + 8)};
             uint8_t packed[8];
             for (int h = 0; h < 2; h++)

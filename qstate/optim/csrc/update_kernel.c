@@ -585,10 +585,20 @@ static inline search4_t make_search4(const float *restrict thr) {
                        _mm256_setr_ps(thr[0], thr[2], thr[4], thr[6], thr[8], thr[10], thr[12], thr[14])};
 }
 
+/* map4_code8's search for a state rounded to nearest (sr = 0): the code thresholds t_0..t_14; with stochastic
+ * rounding: the map's entries q_1..q_15 */
+static inline search4_t map4_search8(const float *restrict thr, const float *restrict qmap, int sr) {
+    return make_search4(sr ? qmap + 1 : thr);
+}
+
 DEFINE_SR_DRAW(256)
 
-/* map4_code16 on 8 values: the same four halvings (c + step - 1 is the threshold compared), each
- * reading its candidates from one register (s); qmap: the map's values as halves (q[0..7], q[8..15]) */
+/* map4_code16 on 8 values: the same four halvings (c + step - 1 is the entry of s compared), each reading its
+ * candidates from one register (s: map4_search8's); qmap: the map's values as halves (q[0..7], q[8..15]). With
+ * stochastic rounding (sr) the search counts the entries q_1..q_15 below y, so q_c < y <= q_c+1 once c is capped
+ * at 14 (the map holds y: q_0 = -1, q_15 = 1), and stochastic_code's steps follow. Its own start (the nearest
+ * code, one down if that entry is above y) is the same pair of a strictly increasing map, but for y equal to an
+ * entry q_c: the pair from q_c, where this one is the pair below; both give c (y > lo fails, or y >= hi holds). */
 static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr) {
 #define STEP4(t, step) \
     _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, (t), _CMP_GT_OQ)), _mm256_set1_epi32(step))
@@ -599,8 +609,7 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
 #undef STEP4
     if (!sr) return c;
     const __m256i one = _mm256_set1_epi32(1);
-    c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(lookup16(qmap[0], qmap[1], c), y, _CMP_GT_OQ)));
-    c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(14));
+    c = _mm256_min_epi32(c, _mm256_set1_epi32(14));
     const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
     const __m256 draw = sr_draw_256(y);
     const __m256 up = _mm256_or_ps(
@@ -846,7 +855,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
     if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
-        const search4_t s_ = make_search4(st[i].threshold);                               \
+        const search4_t s_ = map4_search8(st[i].threshold, qmap##i, S##i##_SR);            \
         const __m256 q_[2] = {_mm256_loadu_ps(qmap##i), _mm256_loadu_ps(qmap##i + 8)};   \
         for (; (j0) + 8 <= (bn); (j0) += 8)                                               \
             store_nibbles8(map4_code8(DIV8(x, j0), &s_, q_, S##i##_SR), (bp) + (j0) / 2); \
