@@ -81,7 +81,7 @@ CASES = {
 }
 
 
-def _run(case: str, c_kernel: bool, steps: int = 3):
+def _run(case: str, c_kernel: bool, steps: int = 3, extreme: bool = False):
     update, dtype, kinds = CASES[case]
     gen = torch.Generator().manual_seed(0)
     shapes = PLAIN_SHAPES if kinds[0][0] in PLAIN else SHAPES
@@ -95,6 +95,9 @@ def _run(case: str, c_kernel: bool, steps: int = 3):
             # tiny and huge magnitudes in one block: codes across the whole map
             gs = [(torch.randn(s, generator=gen) * 10 ** (8 * torch.rand(s, generator=gen) - 4)).to(dtype)
                   for s in shapes]
+            if extreme:  # and each run of 64 elements scaled by 2**[-149, 30]: subnormal to large scales
+                gs = [(g.float().flatten() * 2.0 ** torch.randint(-149, 31, (g.numel() // 64 + 1,), generator=gen)
+                       .repeat_interleave(64)[:g.numel()].float()).reshape(g.shape).to(dtype) for g in gs]
             update(ps, gs, states, step)
     return ps, states
 
@@ -108,6 +111,19 @@ def _inductor(case: str):
 def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
     ps, states = _run(case, c_kernel=True)
     ref_ps, ref_states = _inductor(case)
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+    for group, ref_group in zip(states, ref_states):
+        for s, r in zip(group, ref_group):
+            assert torch.equal(*_parts(s, r))
+
+
+@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8", "lion_8bit_block_100_stochastic"])
+def test_c_kernel_equals_inductor_kernel_at_extreme_magnitudes(case):
+    # blocks whose scales range from subnormal to about 2**43, for each kind of quantized state (fp8's
+    # saturation, which needs a scale of a few subnormal steps: test_fp8_blocks_with_subnormal_scales_...)
+    results = [_run(case, c_kernel, extreme=True) for c_kernel in (True, False)]
+    (ps, states), (ref_ps, ref_states) = results
     for p, q in zip(ps, ref_ps):
         assert torch.equal(p, q)
     for group, ref_group in zip(states, ref_states):
