@@ -109,21 +109,19 @@ def _inductor(case: str):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
-    ps, states = _run(case, c_kernel=True)
-    ref_ps, ref_states = _inductor(case)
-    for p, q in zip(ps, ref_ps):
-        assert torch.equal(p, q)
-    for group, ref_group in zip(states, ref_states):
-        for s, r in zip(group, ref_group):
-            assert torch.equal(*_parts(s, r))
+    _assert_same_bits(_run(case, c_kernel=True), _inductor(case))
 
 
 @pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8", "lion_8bit_block_100_stochastic"])
 def test_c_kernel_equals_inductor_kernel_at_extreme_magnitudes(case):
     # blocks whose scales range from subnormal to about 2**43, for each kind of quantized state (fp8's
     # saturation, which needs a scale of a few subnormal steps: test_fp8_blocks_with_subnormal_scales_...)
-    results = [_run(case, c_kernel, extreme=True) for c_kernel in (True, False)]
-    (ps, states), (ref_ps, ref_states) = results
+    _assert_same_bits(*(_run(case, c_kernel, extreme=True) for c_kernel in (True, False)))
+
+
+def _assert_same_bits(run: tuple, ref: tuple) -> None:
+    """Two ``_run`` results: the parameters, and each state's codes and scales (or plain values), bit for bit."""
+    (ps, states), (ref_ps, ref_states) = run, ref
     for p, q in zip(ps, ref_ps):
         assert torch.equal(p, q)
     for group, ref_group in zip(states, ref_states):
@@ -220,11 +218,7 @@ def test_builds_without_vector_paths_give_the_same_bits(case, without, monkeypat
     monkeypatch.setattr(_cpu_kernel, "_CFLAGS", _cpu_kernel._CFLAGS + (without,))
     monkeypatch.setattr(_cpu_kernel, "_cache_dir", lambda: tmp_path)
     monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
-    ps, states = _run(case, c_kernel=True)
-    assert all(torch.equal(p, q) for p, q in zip(ps, vector_ps))
-    for group, ref_group in zip(states, vector_states):
-        for s, r in zip(group, ref_group):
-            assert torch.equal(*_parts(s, r))
+    _assert_same_bits(_run(case, c_kernel=True), (vector_ps, vector_states))
 
 
 #: the vector paths' builds (``-march``) that no machine runs all of: AVX-512 VBMI (with AVX2 for what its
@@ -264,15 +258,9 @@ def test_one_build_per_kind_not_per_shape(monkeypatch):
     assert len(_cpu_kernel.built_kinds()) == len(CASES) - 1
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` of int64 tensors holding uint32 values, without int64 overflow."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & 0xFFFFFFFF
-
-
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
-    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
-    x = _mul32(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
+    """lowbias32 of int64 tensors holding uint32 values: qstate.formats.lowbias32 of those bit patterns."""
+    return qstate.formats.lowbias32(torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).view(torch.float32))
 
 
 def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
