@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import platform
+import subprocess
+from pathlib import Path
 
 import expecttest
 import pytest
@@ -221,6 +223,67 @@ def test_builds_without_vector_paths_give_the_same_bits(case, without, monkeypat
     _assert_same_bits(_run(case, c_kernel=True), (vector_ps, vector_states))
 
 
+#: force-included into builds that take the AVX-512 VBMI paths with SIMDe's portable intrinsics
+_SIMDE_SHIM = Path(__file__).with_name("simde_avx512.h")
+
+
+@functools.lru_cache(maxsize=None)
+def _native_defines() -> str:
+    """The predefined macros of the kernel's native build (``-march=native``): its vector extensions."""
+    cc = _cpu_kernel._compiler()
+    if cc is None:
+        return ""
+    return subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                          text=True).stdout
+
+
+@functools.lru_cache(maxsize=None)
+def _simde_flags() -> tuple[str, ...] | None:
+    """Compiler flags with which the kernel takes its AVX-512 VBMI paths on an x86-64 machine with AVX2 but
+    without AVX-512 (``QSTATE_SIMDE_AVX512``, and ``test/simde_avx512.h``: SIMDe's intrinsics), or None where
+    they do not build (another architecture, no C compiler, no SIMDe headers: Debian's ``libsimde-dev``)."""
+    cc = _cpu_kernel._compiler()
+    if platform.machine() not in ("x86_64", "AMD64") or cc is None or "__AVX2__" not in _native_defines():
+        return None
+    flags = ("-DQSTATE_SIMDE_AVX512", "-include", str(_SIMDE_SHIM))
+    probe = subprocess.run([cc, "-march=native", *flags, "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
+    return flags if probe.returncode == 0 else None
+
+
+def _vector_flags(lanes: int) -> tuple[str, ...]:
+    """Extra flags for a build that takes the ``lanes``-wide vector encodes: none where the native build does
+    (or for 8 lanes, whose checks skip without AVX2), SIMDe's for AVX-512 VBMI (16 lanes) on machines without
+    it; skips where neither can."""
+    if lanes == 8 or "__AVX512VBMI__" in _native_defines():
+        return ()
+    flags = _simde_flags()
+    if flags is None:
+        pytest.skip("no AVX-512 VBMI on this machine, and no SIMDe headers to emulate it (libsimde-dev)")
+    return flags
+
+
+@pytest.fixture(scope="module")
+def simde_kernel_dir(tmp_path_factory):
+    """A cache folder for this module's SIMDe builds of the kernel (never the library's own cache)."""
+    if _simde_flags() is None:
+        pytest.skip("the AVX-512 VBMI paths cannot build here through SIMDe (x86-64 with AVX2 and "
+                    "libsimde-dev's headers needed)")
+    return tmp_path_factory.mktemp("simde_kernels")
+
+
+@pytest.mark.parametrize("case, extreme", [(case, False) for case in sorted(CASES) if CASES[case][2][0][0] not in PLAIN]
+                         + [(case, True) for case in ("adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8")])
+def test_avx512_paths_built_with_simde_give_the_inductor_kernels_bits(case, extreme, simde_kernel_dir, monkeypatch):
+    # the AVX-512 VBMI paths (encode8_64 and decode8's in-register lookups, map4_code16, fp8_code16), which only
+    # AVX-512 machines build natively, built with SIMDe's portable intrinsics so that every x86-64 machine (CI's)
+    # checks them against the inductor kernel; the same cases as the native build's tests
+    monkeypatch.setattr(_cpu_kernel, "_CFLAGS", _cpu_kernel._CFLAGS + _simde_flags())
+    monkeypatch.setattr(_cpu_kernel, "_cache_dir", lambda: simde_kernel_dir)
+    monkeypatch.setattr(_cpu_kernel, "_LIBS", {})
+    _assert_same_bits(_run(case, c_kernel=True, extreme=extreme),
+                      _run(case, c_kernel=False, extreme=True) if extreme else _inductor(case))
+
+
 #: the vector paths' builds (``-march``) that no machine runs all of: AVX-512 VBMI (with AVX2 for what its
 #: loops leave), AVX2 only, and the portable loops
 _MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "portable": "-march=x86-64"}
@@ -232,8 +295,6 @@ _MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "por
 def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     # the machine running the suite takes one vector path; the others must at least build (compile only,
     # each kind of AdamW's states: 8bit, 4bit with a stochastic first moment, fp8, plain bf16)
-    import subprocess
-
     cc = _cpu_kernel._compiler()
     if cc is None:
         pytest.skip("no C compiler")
@@ -369,11 +430,10 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     assert torch.equal(code, codec.encode(y, codec.tables).long())
 
 
-def _checker(tmp_path, states: list, source: str, function: str):
+def _checker(tmp_path, states: list, source: str, function: str, flags: tuple = ()):
     """``function`` of ``source`` (C, which includes ``kernel.c``: the kernel configured for AdamW over
-    ``states``), compiled as the kernel is; skips without a C compiler."""
+    ``states``), compiled as the kernel is (plus ``flags``); skips without a C compiler."""
     import ctypes
-    import subprocess
 
     cc = _cpu_kernel._compiler()
     if cc is None:
@@ -382,7 +442,7 @@ def _checker(tmp_path, states: list, source: str, function: str):
     (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
     (tmp_path / "check.c").write_text(source)
     lib = tmp_path / "check.so"
-    subprocess.run([cc, *_cpu_kernel._CFLAGS, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
+    subprocess.run([cc, *_cpu_kernel._CFLAGS, *flags, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
                    cwd=tmp_path)
     fn = getattr(ctypes.CDLL(str(lib)), function)
     fn.restype = ctypes.c_int64
@@ -446,7 +506,7 @@ def test_fp8_vector_encode_equals_the_scalar_encode(tmp_path, lanes, bounded):
 
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "fp8", signed=s, dtype=torch.float32) for s in (True, False)]
-    fn = _checker(tmp_path, states, _FP8_CHECK, "fp8_mismatches")
+    fn = _checker(tmp_path, states, _FP8_CHECK, "fp8_mismatches", _vector_flags(lanes))
     fn.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     results = {(start, signed): fn(start, 128, 2**25, signed, lanes, bounded)
                for start in (0, 77) for signed in (1, 0)}
@@ -601,7 +661,7 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     p = torch.zeros(2, 256)
     states = [qstate.zeros_like(p, "4bit", signed=True, dtype=torch.float32, rounding="stochastic"),
               qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)]
-    fn = _checker(tmp_path, states, _MAP4_CHECK, "map4_mismatches")
+    fn = _checker(tmp_path, states, _MAP4_CHECK, "map4_mismatches", _vector_flags(lanes))
     y = _map_inputs("4bit", [0.0, 1.0, 2.0**-149, 1e-30], 16, clamp=True)
     tables = [_cpu_kernel._table_pointers(state_entry(s)) for s in states]
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
@@ -662,7 +722,6 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     # benchmarks/bench_kernel_ab.py reaches into this module (it wraps _cpu_kernel.run, builds the kernel's
     # slots and calls the C entry point itself): an internal change must not break it silently
     import pathlib
-    import subprocess
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernel_ab.py"

@@ -60,7 +60,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#if defined(QSTATE_SIMDE_AVX512) /* test builds: the AVX-512 VBMI paths through SIMDe (test/simde_avx512.h) */
+#define HAVE_VBMI 1
+#elif defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define HAVE_VBMI 1
 #else
 #define HAVE_VBMI 0
