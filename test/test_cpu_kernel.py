@@ -627,7 +627,7 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
         if (lanes == 16) {
 #if HAVE_VBMI
             int32_t c[16];
-            const __m512 t = _mm512_loadu_ps(thr), q = _mm512_loadu_ps(qmap);
+            const __m512 t = map4_search16(thr, qmap, sr), q = _mm512_loadu_ps(qmap);
             _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), t, q, sr));
             for (int i = 0; i < 16; i++) got[i] = (uint8_t)c[i];
 #else

@@ -38,7 +38,7 @@
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
- * 16 at a time (map4_code16: a search of the code thresholds, then stochastic_code's steps; blocks
+ * 16 at a time (map4_code16: a search of the code thresholds, or of the map for stochastic rounding; blocks
  * with an infinite or NaN scale stay scalar). With AVX2 (on machines without AVX-512 VBMI, and for
  * what the 64- and 16-lane loops leave), fp8 states encode 8 values at a time (fp8_code8) and decode
  * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
@@ -541,22 +541,28 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
 
 /* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
  * not NaN (the packed table's NaN codes depend on the payload: callers take the scalar path for those).
- * thr: the thresholds t_0..t_14 (lane 15 unused; _cpu_kernel._encode_thresholds: an unsigned state's
- * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does); the nearest code is the
- * number of t_c below y, found in four halvings. sr: then stochastic_code's steps, with qmap the map's 16
- * values. */
+ * s: the values the search counts below y, in four halvings (lane 15 unused; map4_search16's): rounded to
+ * nearest (sr = 0) the code thresholds t_0..t_14 (_cpu_kernel._encode_thresholds: an unsigned state's
+ * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does), whose count is the nearest
+ * code; with stochastic rounding the map's entries q_1..q_15, whose count c (capped at 14) has
+ * q_c < y <= q_c+1, then stochastic_code's steps (qmap: the map's 16 values), as map4_code8 explains. */
 DEFINE_SR_DRAW(512)
 
-static inline __m512i map4_code16(__m512 y, __m512 thr, __m512 qmap, int sr) {
+static inline __m512 map4_search16(const float *restrict thr, const float *restrict qmap, int sr) {
+    if (!sr) return _mm512_loadu_ps(thr);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 15),
+                                 _mm512_loadu_ps(qmap));
+}
+
+static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr) {
     __m512i c = _mm512_setzero_si512();
     for (int step = 8; step >= 1; step /= 2) {
-        const __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), thr);
+        const __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), s);
         c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(y, t, _CMP_GT_OQ), c, _mm512_set1_epi32(step));
     }
     if (!sr) return c;
     const __m512i one = _mm512_set1_epi32(1);
-    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(_mm512_permutexvar_ps(c, qmap), y, _CMP_GT_OQ), c, one);
-    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(14));
+    c = _mm512_min_epi32(c, _mm512_set1_epi32(14));
     const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
     const __m512 draw = sr_draw_512(y);
     const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
@@ -807,7 +813,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
     if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
-        const __m512 t_ = _mm512_loadu_ps(st[i].threshold);                               \
+        const __m512 t_ = map4_search16(st[i].threshold, qmap##i, S##i##_SR);              \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
             const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
             const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR);                        \
