@@ -37,6 +37,7 @@ from dtensor_harness import (
     shapes,
 )
 from qstate.dtensor_rules import _compat
+from qstate import _splitmix64
 from qstate.dtensor_rules._random_ops import mix64
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -442,7 +443,7 @@ def test_random_shards_independent_replicas_agree_and_seeded() -> None:
 def test_positional_stream_is_splitmix64_and_in_range() -> None:
     mask = (1 << 64) - 1
 
-    def splitmix64(key: int, i: int) -> int:
+    def splitmix64(key: int, i: int) -> int:  # written out: the reference for qstate._splitmix64 too
         z = (key + (i + 1) * 0x9E3779B97F4A7C15) & mask
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
@@ -451,6 +452,10 @@ def test_positional_stream_is_splitmix64_and_in_range() -> None:
     key = 0x123456789ABCDEF
     got = mix64(torch.tensor(key), torch.arange(257)).tolist()
     assert [v & mask for v in got] == [splitmix64(key, i) for i in range(257)]
+    # the Python-int form (the C kernel's ParamKeys), keys of all sizes
+    for k in (0, key, mask, 1 << 63):
+        assert [_splitmix64.mix(k + (i + 1) * _splitmix64.GAMMA) for i in range(65)] == [splitmix64(k, i)
+                                                                                        for i in range(65)]
 
     g = torch.Generator().manual_seed(0)
     u = rules.positional_rand_like(torch.empty(20000), generator=g)

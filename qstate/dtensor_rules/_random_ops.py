@@ -45,6 +45,7 @@ from torch.distributed.tensor.placement_types import (
     Shard,
 )
 
+from qstate import _splitmix64 as splitmix64
 from qstate.dtensor_rules import _compat
 from qstate.dtensor_rules._placements import mesh_dims_sharding
 from qstate.dtensor_rules._registry import Rule
@@ -64,9 +65,10 @@ aten = torch.ops.aten
 Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 # ----------------------------------------------------------------- the stream
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64 increment, as int64
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
+# splitmix64's constants as int64 (tensor multiplies wrap mod 2**64 as the words' do)
+_GOLDEN = splitmix64.as_int64(splitmix64.GAMMA)
+_MIX1 = splitmix64.as_int64(splitmix64.MIX1)
+_MIX2 = splitmix64.as_int64(splitmix64.MIX2)
 _MASK63 = (1 << 63) - 1
 
 
@@ -80,7 +82,8 @@ def _xor_lsr_(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def mix64(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """splitmix64 output ``index`` of the stream seeded with ``key`` (int64, wraps).
+    """splitmix64 output ``index`` of the stream seeded with ``key`` (int64, wraps): :mod:`qstate._splitmix64`'s
+    ``mix(key + (index + 1) * GAMMA)``, as int64.
 
     Peak memory is two int64 tensors of ``index``'s shape.
     """

@@ -70,6 +70,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .. import _splitmix64 as splitmix64
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
@@ -253,9 +254,6 @@ def param_key() -> int:
     return int(torch.empty((), dtype=torch.int64).random_())
 
 
-_MASK64 = (1 << 64) - 1
-
-
 class ParamKeys:
     """The stochastic-rounding keys of one call of the update: ``keys(i)`` for the parameter at position ``i``
     of the call's list, splitmix64 of ``base + i``, where ``base`` is one :func:`param_key` drawn when the
@@ -269,10 +267,7 @@ class ParamKeys:
     def __call__(self, i: int) -> int:
         if self.base is None:
             self.base = param_key()
-        z = (self.base + i + 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return z ^ (z >> 31)
+        return splitmix64.mix(self.base + i + splitmix64.GAMMA)
 
 
 @functools.lru_cache(maxsize=None)
