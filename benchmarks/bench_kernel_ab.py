@@ -108,7 +108,8 @@ def main() -> None:
     arr, rows, row_len = ck.state_slots(spec, w, states, [ck._table_pointers(e) for e in spec.states])
     hyper = (ctypes.c_float * 9)(1e-3, 1.0, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.05, 10.0)
     call_args = (ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w.grad.data_ptr()), arr, hyper,
-                 ctypes.c_int64(rows), ctypes.c_int64(row_len), ctypes.c_int(args.threads), ctypes.c_uint64(0))
+                 ctypes.c_int64(rows), ctypes.c_int64(row_len), ctypes.c_int(args.threads), ctypes.c_uint64(0),
+                 ctypes.c_int64(0))
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [_load(src, Path(tmp)) for src in args.sources]
         for dll in dlls:  # warm-up

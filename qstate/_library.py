@@ -12,7 +12,13 @@ without importing the optimizers.
   number per parameter (:func:`states_per_param`): ``params[i]``'s are
   ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
   (shared: one step count), ``kind`` names the rule, its static flags,
-  stochastic rounding and compilation.
+  stochastic rounding and compilation. For a kind with stochastic rounding
+  that the CPU C kernel runs, ``sr_keys`` gives each parameter's rounding key
+  (int64, the 64-bit key's two's complement) and ``starts`` the flat index of
+  each parameter's first element in its full tensor (DTensor's handler sets
+  it for the shards, so that each element's draw depends on its place in the
+  full tensor: independent shards, the same draws on any number of ranks);
+  ``None``: keys drawn in the kernel, starts 0.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ __all__ = ["LIBRARY", "fused_update", "hyper_tensor", "states_per_param"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
-LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind) -> ()")
+LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind, "
+               "int[]? sr_keys=None, int[]? starts=None) -> ()")
 
 fused_update = torch.ops.qstate.fused_update.default
 

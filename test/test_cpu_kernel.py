@@ -731,3 +731,63 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     out = subprocess.run([sys.executable, str(script), str(source), str(source), *args, "--calls", "2"],
                          check=True, capture_output=True, text=True).stdout
     assert "B / A = " in out
+
+
+def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
+    """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors."""
+    from qstate._library import fused_update
+    from qstate.optim._fused_op import fused_kind
+    from qstate.optim._rules import RULES
+
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    hyper = torch.tensor([1e-2, 1.0] + [RULES["adam"].scalars(group, 1)[n] for n in RULES["adam"].scalar_names[2:]])
+    kind = kind or fused_kind("adam", (("decoupled", True),), True)
+    fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys, starts=starts)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "fp32"])
+def test_stochastic_rounding_draws_by_place_in_the_full_tensor(fmt):
+    # the op's sr_keys and starts (DTensor's handler gives each shard its first element's flat index): the
+    # update of a tensor's row ranges, each with its start, is the whole tensor's update bit for bit (states'
+    # blocks never cross rows); with start 0 the second range draws other bits
+    gen = torch.Generator().manual_seed(0)
+    p0, g = torch.randn(10, 300, generator=gen).bfloat16(), torch.randn(10, 300, generator=gen).bfloat16()
+    key = 0x9E3779B97F4A7C15 - 2**64  # an int64 key whose uint64 form has the top bit set
+
+    def states(p):
+        if fmt == "fp32":
+            return [torch.zeros_like(p, dtype=torch.float32) for _ in range(2)]
+        return [qstate.zeros_like(p, fmt, signed=s, dtype=torch.float32) for s in (True, False)]
+
+    whole = p0.clone()
+    _sr_adamw_op([whole], [g], [states(whole)], [key])
+    parts = [p0[:4].clone(), p0[4:].clone()]
+    _sr_adamw_op(parts, [g[:4], g[4:]], [states(q) for q in parts], [key, key], [0, 4 * 300])
+    assert torch.equal(torch.cat(parts), whole)
+    unplaced = p0[4:].clone()
+    _sr_adamw_op([unplaced], [g[4:]], [states(unplaced)], [key], [0])
+    assert not torch.equal(unplaced, whole[4:])
+    assert not torch.equal(whole, p0)  # the update moved it
+
+
+class TestSrKeysErrors(expecttest.TestCase):
+    def test_sr_keys_need_the_c_kernel_and_change_nothing(self):
+        from qstate.optim._fused_op import fused_kind
+
+        p = torch.zeros(300, 10, dtype=torch.bfloat16).t()  # not contiguous: no fused kernel
+        ok = torch.zeros(10, 300, dtype=torch.bfloat16)
+        g = torch.ones(10, 300, dtype=torch.bfloat16)
+        st = [[torch.zeros(10, 300) for _ in range(2)] for _ in range(2)]
+        before = [t.clone() for t in (p, ok, *st[0], *st[1])]
+
+        def error(fn) -> str:
+            with self.assertRaises(Exception) as info:
+                fn()
+            return f"{type(info.exception).__name__}: {info.exception}"
+
+        # the contiguous first parameter is not written either: every parameter is checked first
+        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok, p], [g, g], st, [1, 2])), """RuntimeError: qstate::fused_update with sr_keys: params[1] (torch.bfloat16 (10, 300) on cpu): it would run op by op (an eager kind, or tensors the fused kernels do not take), which cannot draw by its place in the full tensor; call the op without sr_keys""")
+        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1], kind=fused_kind("adam", (("decoupled", True),), False))), """RuntimeError: qstate::fused_update with sr_keys: params[0] (torch.bfloat16 (10, 300) on cpu): sr_keys given to a kind without stochastic rounding (FusedCall(rule='adam', flags=(('decoupled', True),), stochastic_round=False, eager=False, tensor_scalars=()))""")
+        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, no starts""")
+        for t, b in zip((p, ok, *st[0], *st[1]), before):
+            assert torch.equal(t, b)

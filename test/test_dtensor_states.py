@@ -156,6 +156,11 @@ class TestDTensorStatePins(expecttest.TestCase):
             self.assertExpectedInline(error(p, g, [r]), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
             self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: params[0]: grad is a LocalTensor, expected a DTensor""")
             self.assertExpectedInline(error(partial, partial, []), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            # stochastic-rounding keys: each shard must be one range of the flat parameter (its draws' places)
+            cols = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(1)])
+            with self.assertRaises(Exception) as info:
+                fused_update([cols], [cols], [], torch.zeros(9), "unused", sr_keys=[1])
+            self.assertExpectedInline(f"{type(info.exception).__name__}: {info.exception}", """LayoutMismatch: qstate::fused_update on DTensors with sr_keys: params[0]: placements (Shard(dim=1),) do not keep each shard one range of the flat parameter (Shard(0) and Replicate do)""")
             with self.assertRaises(ValueError) as info:  # the lists must pair up (DTensors or not)
                 fused_update([p, p], [g], [r], torch.zeros(9), "unused")
             self.assertExpectedInline(str(info.exception), """qstate::fused_update: expected one grad per param and the same number of states per param, got 2 params, 1 grads, 1 states""")

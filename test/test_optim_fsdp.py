@@ -27,7 +27,11 @@ bits on DTensors from qstate's positional stream (a hash of the seed and the
 *global* index, ``qstate.dtensor_rules._random_ops``); the unsharded run
 reproduces them with ``positional_randint_like``, which shows the shards round
 independently (as slices of one full-tensor draw) and reproducibly from the
-optimizer's seed. The step must not call ``DTensor.to_local``/``from_local``.
+optimizer's seed. With ``compile=True`` they run the shards' C kernel instead,
+whose draws hash a per-parameter key (the one the unsharded parameter at the
+same position gets) with each element's index in the full parameter: the
+sharded run equals the unsharded C-kernel run bit for bit. The step must not
+call ``DTensor.to_local``/``from_local``.
 
 Within noise: with torch's own random stream the unsharded bf16 run rounds the
 first update to the same or the adjacent bfloat16 value.
@@ -93,6 +97,9 @@ CONFIGS = [
     Config("AdamW", "8bit", compile=True),
     Config("AdamW", "4bit", offload=True, mixed_precision=True, compile=True),
     Config("Lion", "8bit", compile=True),
+    # bf16 stochastic rounding on the shards' C kernel: draws by each element's place in the full parameter
+    Config("AdamW", "8bit", torch.bfloat16, compile=True),
+    Config("AdamW", "4bit", torch.bfloat16, offload=True, compile=True),
 ]
 
 

@@ -26,7 +26,8 @@ from qstate._library import fused_update, hyper_tensor, states_per_param
 from qstate.distributed import _dtensor_type, _quantized_state_type
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "LayoutMismatch", "call_fused_update", "fused_update_handler", "layout_mismatch", "shards_of"]
+__all__ = ["RULES", "LayoutMismatch", "call_fused_update", "flat_start", "fused_update_handler", "layout_mismatch",
+           "shards_of"]
 
 
 class LayoutMismatch(ValueError):
@@ -85,21 +86,50 @@ def _name(i: int) -> str:
 
 
 def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
-    params, grads, states, hyper, kind = args
+    params, grads, states, hyper, kind, *rest = args
+    sr_keys = rest[0] if rest else kwargs.get("sr_keys")
     n = states_per_param(params, grads, states)
     for i, (param, grad) in enumerate(zip(params, grads)):
         error = layout_mismatch(param, grad, states[i * n:(i + 1) * n])
         if error is not None:
             raise type(error)(f"qstate::fused_update on DTensors: params[{i}]: {error}")
+    extra = {}
+    if sr_keys is not None:  # stochastic rounding draws by each element's place in the full parameter
+        starts = [flat_start(p) for p in params]
+        for i, start in enumerate(starts):
+            if start is None:
+                raise LayoutMismatch(f"qstate::fused_update on DTensors with sr_keys: params[{i}]: placements "
+                                     f"{params[i].placements} do not keep each shard one range of the flat parameter "
+                                     f"(Shard(0) and Replicate do)")
+        extra = {"sr_keys": sr_keys, "starts": starts}
     local = ([p._local_tensor for p in params], [g._local_tensor for g in grads], [s._local_tensor for s in states])
     if _reaches_shard_kernel(local):
-        _shard_kernel()(*local, hyper, kind, **kwargs)
+        _shard_kernel()(*local, hyper, kind, **extra)
     else:
-        op_call(*local, hyper_tensor(hyper), kind, **kwargs)
+        op_call(*local, hyper_tensor(hyper), kind, **extra)
 
 
-def call_fused_update(params, grads, states, hyper, kind: str) -> None:
-    """``qstate::fused_update(params, grads, states, hyper, kind)`` on DTensors, as the optimizers call it.
+def flat_start(param) -> Optional[int]:
+    """The flat (row-major) index in the full tensor of the first element of this rank's shard of the DTensor
+    ``param``, where the shard is one contiguous range of that order (every placement ``Replicate`` or
+    ``Shard(0)``, even or uneven), else ``None``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Shard
+
+    spec = param._spec
+    # exactly Shard (a _StridedShard's rows interleave with other ranks')
+    if not all(pl.is_replicate() or (type(pl) is Shard and pl.dim == 0) for pl in spec.placements):
+        return None
+    shape = tuple(spec.shape)
+    _, offset = compute_local_shape_and_global_offset(shape, spec.mesh, spec.placements)
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    return offset[0] * row if shape else 0
+
+
+def call_fused_update(params, grads, states, hyper, kind: str, sr_keys: Optional[list[int]] = None) -> None:
+    """``qstate::fused_update(params, grads, states, hyper, kind, sr_keys)`` on DTensors, as the optimizers call it.
 
     DTensor's dispatcher answers the op by calling :func:`fused_update_handler` (this module's
     rule). Where nothing else could see the call (:func:`handler_is_reached` and every tensor
@@ -111,10 +141,11 @@ def call_fused_update(params, grads, states, hyper, kind: str) -> None:
     C kernel reads as they are (:func:`qstate._library.hyper_tensor` makes the tensor where one is
     needed).
     """
+    extra = {} if sr_keys is None else {"sr_keys": sr_keys}
     if handler_is_reached() and _all_dtensors(params, grads, states):
-        fused_update_handler(fused_update, (params, grads, states, hyper, kind), {})
+        fused_update_handler(fused_update, (params, grads, states, hyper, kind), extra)
     else:
-        fused_update(params, grads, states, hyper_tensor(hyper), kind)
+        fused_update(params, grads, states, hyper_tensor(hyper), kind, **extra)
 
 
 def handler_is_reached() -> bool:

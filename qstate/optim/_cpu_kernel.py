@@ -353,11 +353,11 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     dll = ctypes.CDLL(str(lib))
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,
-                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64]
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64]
     dll.qstate_update_many.restype = None
     dll.qstate_update_many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState),
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                       ctypes.c_void_p]
+                                       ctypes.c_void_p, ctypes.c_void_p]
     return dll
 
 
@@ -421,20 +421,23 @@ def _threads(numel: int) -> int:
 
 
 def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]],
-        key: Optional[int] = None) -> None:
+        key: Optional[int] = None, start: int = 0) -> None:
     """One fused update of ``p`` and its ``states``, quantized or plain (the caller checked :func:`supports`
     and layouts), and the :class:`PreparedCall` of this update for the next steps.
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
     ``key``: the stochastic-rounding key of a ``PARAM_SR`` kind (:class:`ParamKeys`; None: a
-    :func:`param_key` drawn now).
+    :func:`param_key` drawn now). ``start``: the flat index of ``p``'s first element in the full tensor it
+    is a shard of (0: ``p`` is whole); a ``PARAM_SR`` kind's draws depend on each element's index in the
+    full tensor, so shards of one parameter draw as the whole parameter would. The prepared call keeps it
+    (a shard's place is fixed with its local tensor).
     """
     loaded = _LIBS.get((spec, g.dtype))
     if loaded is None:
         loaded = _LIBS[spec, g.dtype] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
     dll, tables = loaded
     arr, rows, row_len = state_slots(spec, p, states, tables)
-    call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len)
+    call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len, start)
     call(p, g, hyper, (param_key() if key is None else key) if call.sr else 0)
     _PREPARED[_key(p, states)] = call
 
@@ -458,11 +461,11 @@ class PreparedCall:
     still those, by identity and data pointer, before the slots are trusted again.
     """
 
-    __slots__ = ("kind", "sr", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "param", "states", "p_ptr",
-                 "p_dtype", "g_dtype", "g_shape", "buffers", "maps")
+    __slots__ = ("kind", "sr", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "start", "param", "states",
+                 "p_ptr", "p_dtype", "g_dtype", "g_shape", "buffers", "maps")
 
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
-                 rows: int, row_len: int):
+                 rows: int, row_len: int, start: int = 0):
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
         #: whether each call takes a stochastic-rounding key (:class:`ParamKeys`)
@@ -472,6 +475,8 @@ class PreparedCall:
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
+        #: the flat index of ``p``'s first element in its full tensor (:func:`run`'s ``start``)
+        self.start = start
         key = _key(p, states)
         # when the parameter or the first state dies; the registry is bound, not looked up: at interpreter
         # exit the callback may run after this module's globals are gone
@@ -505,7 +510,7 @@ class PreparedCall:
     def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
         """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
         self.fn(self.p_ptr, g.data_ptr(), self.slots, _hyper_arg(hyper), self.rows, self.row_len,
-                _threads(self.numel), key)
+                _threads(self.numel), key, self.start)
         torch.autograd.graph.increment_version(p)
 
 
@@ -528,7 +533,8 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
     row_len = (ctypes.c_int64 * n)(*[c.row_len for c in calls])
     first = (ctypes.c_int64 * (n + 1))()  # the kernel's scratch: each parameter's first work item
     calls[0].many(n, p_ptrs, g_ptrs, slots, _hyper_arg(hyper), rows, row_len, first,
-                  _threads(sum(c.numel for c in calls)), (ctypes.c_uint64 * n)(*keys))
+                  _threads(sum(c.numel for c in calls)), (ctypes.c_uint64 * n)(*keys),
+                  (ctypes.c_int64 * n)(*[c.start for c in calls]))
     torch.autograd.graph.increment_version(params)
 
 
@@ -586,12 +592,15 @@ def _forget(registry: dict, key: tuple[int, int], call: PreparedCall, _ref: weak
         del registry[key]
 
 
-def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> Optional[PreparedCall]:
+def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
+             start: Optional[int] = None) -> Optional[PreparedCall]:
     """``p``'s :class:`PreparedCall`, if it is still valid for this update (``kind``: the rule's name,
-    its sorted static flags and stochastic rounding), else ``None`` (take the full path)."""
+    its sorted static flags and stochastic rounding; ``start``, where given: :func:`run`'s), else ``None``
+    (take the full path)."""
     call = _PREPARED.get(_key(p, states))
     if call is not None and call.param() is p and call.valid(kind, p, g, states):
-        return call
+        if start is None or call.start == start:
+            return call
     return None
 
 

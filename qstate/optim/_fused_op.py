@@ -1,7 +1,8 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``functional.apply_update`` calls the op for its DTensor parameters (without
-stochastic rounding; ``call_fused_update``); DTensor's handler for it
+``functional.apply_update`` calls the op for its DTensor parameters
+(``call_fused_update``; with bf16 stochastic rounding only where the shards
+run the CPU C kernel, with ``sr_keys``, see :mod:`qstate._library`); DTensor's handler for it
 (:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
 shares its parameter's layout (else ``LayoutMismatch``, before any write) and
 runs it on every shard, so the step code never unwraps a DTensor and issues
@@ -96,26 +97,39 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
 
 
 def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
-                  hyper: Union[Tensor, Sequence[float]], kind: str) -> None:
-    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout).
+                  hyper: Union[Tensor, Sequence[float]], kind: str, sr_keys: Optional[Sequence[int]] = None,
+                  starts: Optional[Sequence[int]] = None) -> None:
+    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout,
+    ``sr_keys`` and ``starts``).
 
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
-    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are."""
+    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are.
+    With ``sr_keys`` every parameter must run the CPU C kernel, whose draws follow the key and each
+    element's place in the full tensor; one that would not raises before it is written."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
+    if sr_keys is not None:  # every parameter checked before any is written
+        if len(sr_keys) != len(params) or (starts is not None and len(starts) != len(params)):
+            raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
+                             f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            _check_sr_keys_shard(call, param, grad, list(states[i * n:(i + 1) * n]), i)
     pending = _cpu_kernel.PendingCalls()  # shards whose C-kernel call is prepared: one call per kernel
     as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
-        prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states)
+        key = None if sr_keys is None else sr_keys[i] & _MASK64
+        start = starts[i] if starts else 0
+        prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states, start)
         if prepared is not None:
-            pending.add(prepared, param, grad, None, hyper)
+            sr_key = (_cpu_kernel.param_key() if key is None else key) if prepared.sr else 0
+            pending.add(prepared, param, grad, None, hyper, key=sr_key)
         else:
             pending.before(param)
             if as_tensor is None:
                 as_tensor = hyper_tensor(hyper)
-            _update_shard(param, grad, shard_states, as_tensor, call)
+            _update_shard(param, grad, shard_states, as_tensor, call, key, start)
     pending.run()
 
 
@@ -139,10 +153,11 @@ def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
     return None if call is None else (call, p, g)
 
 
-def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall) -> None:
+def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall,
+                  key: Optional[int], start: int) -> None:
     if not call.eager and fusable(param, grad, states):
-        run_fused(KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round), param, grad, states,
-                  hyper)
+        spec = KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round)
+        run_fused(spec, param, grad, states, hyper, key, start)
         return
     rule = RULES[call.rule]
     if call.eager:
@@ -151,6 +166,27 @@ def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tens
         h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
     update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round)
 
+
+def _check_sr_keys_shard(call: FusedCall, param: Tensor, grad: Tensor, states: list[Tensor], index: int) -> None:
+    """Raise unless ``params[index]``'s update with ``sr_keys`` runs the CPU C kernel, which draws by each
+    element's place in the full tensor."""
+    def error(why: str) -> Exception:
+        return RuntimeError(f"qstate::fused_update with sr_keys: params[{index}] ({param.dtype} {tuple(param.shape)} "
+                            f"on {param.device}): {why}")
+
+    if not call.stochastic_round:
+        raise error(f"sr_keys given to a kind without stochastic rounding ({call})")
+    if call.eager or not fusable(param, grad, states):
+        raise error("it would run op by op (an eager kind, or tensors the fused kernels do not take), which "
+                    "cannot draw by its place in the full tensor; call the op without sr_keys")
+    spec = KernelSpec.of(call.rule, call.flags, param, states, True)
+    if not _cpu_kernel.supports(spec, param.device, grad.dtype):
+        raise error(f"its kind {spec.tag()} does not run the CPU C kernel, the only one that draws by its place in "
+                    f"the full tensor; call the op without sr_keys")
+
+
+#: the op's int64 keys as the C kernel's uint64 ones
+_MASK64 = (1 << 64) - 1
 
 LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")
 

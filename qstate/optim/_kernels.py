@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -328,14 +328,15 @@ def _static_config():
     return dyn, shapes
 
 
-def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor) -> None:
+def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
+              key: Optional[int] = None, start: int = 0) -> None:
     """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``).
 
-    Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results); the others
-    run the compiled inductor kernel of their kind.
+    Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results; ``key`` and
+    ``start``: :func:`._cpu_kernel.run`'s); the others run the compiled inductor kernel of their kind.
     """
     if _cpu_kernel.supports(spec, p.device, g.dtype):
-        _cpu_kernel.run(spec, p, g, states, hyper)
+        _cpu_kernel.run(spec, p, g, states, hyper, key, start)
         return
     kernel = get_kernel(spec, p.device)
     space = None

@@ -23,15 +23,21 @@ Paths
   does not take, which run eagerly: faster than a compiled kernel's call for
   them, and nothing to compile.
 * ``compile=True`` and a DTensor parameter whose gradient and states share its
-  shape, mesh and (non-Partial) placements, without stochastic rounding: the
-  operator ``qstate::fused_update``, which DTensor runs shard by shard with
-  the same kernels (``_fused_op.py``; no collectives). The op's rule checks the
+  shape, mesh and (non-Partial) placements: the operator
+  ``qstate::fused_update``, which DTensor runs shard by shard with the same
+  kernels (``_fused_op.py``; no collectives). The op's rule checks the
   layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
   Later steps queue the shard's prepared C-kernel call with the plain
   parameters' where the op would run exactly that call on the CPU
-  (``_fused_op.prepared_shard_call``).
-* otherwise (``compile=False``, stochastic rounding on DTensors, other
-  layouts, mixed devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
+  (``_fused_op.prepared_shard_call``). bf16 stochastic rounding takes this
+  path where the shards run the CPU C kernel and each is one range of the
+  flat parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are the
+  keys a plain parameter at that position would get and each element draws
+  by its place in the full parameter, so the sharded update is the
+  unsharded one, bit for bit, on any number of ranks.
+* otherwise (``compile=False``, stochastic rounding on DTensors elsewhere
+  (other devices or placements, simulated ranks), other layouts, mixed
+  devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
   quantized state in place into its own layout. Nothing here touches a
   state's inner tensors or a DTensor's local tensor, so each op dispatches
@@ -56,7 +62,9 @@ import torch
 from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
-from ..dtensor_rules._fused_ops import LayoutMismatch, call_fused_update, handler_is_reached, layout_mismatch
+from .. import _splitmix64 as splitmix64
+from ..dtensor_rules._fused_ops import (LayoutMismatch, call_fused_update, flat_start, handler_is_reached,
+                                        layout_mismatch, shards_of)
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
 from ._kernels import KernelSpec, fusable, run_fused
@@ -200,18 +208,20 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         dtensor = is_dtensor(p)
         # the C kernel's call of an earlier step, if nothing it relies on changed: queued, one call per
-        # kind; for a DTensor its shard's, where the op would run that call (never with stochastic rounding)
+        # kind; for a DTensor its shard's, where the op would run that call (a stochastically rounding
+        # shard's call drew by its place in the full parameter: it has one only from the op with sr_keys)
         if compile and not dtensor:
             call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
             if call is not None:
                 ready.add(call, p, g, step, scalars.host(step), key=keys(i) if call.sr else 0)
                 continue
-        elif compile and not sr:
+        elif compile:
             if direct is None:  # whether the op would reach its DTensor handler: once per step
                 direct = handler_is_reached()
             found = prepared_shard_call((rule.name, static, sr), p, g, st) if direct else None
             if found is not None:
-                ready.add(found[0], found[1], found[2], step, scalars.host(step), owner=p)
+                ready.add(found[0], found[1], found[2], step, scalars.host(step), owner=p,
+                          key=keys(i) if found[0].sr else 0)
                 continue
         ready.before(p)
         if not compile:
@@ -222,18 +232,23 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
             # of a batch it rejects (LayoutMismatch, before any write), the parameters whose
             # layouts differ run op by op and the others the op.
-            # Not with stochastic rounding: shards would draw the same local stream; the op-by-op
-            # path draws from the positional stream of the DTensor rules (independent shards).
+            # With stochastic rounding only where the shards run the CPU C kernel, whose draws follow
+            # each element's place in the full parameter (sr_keys: the keys a plain parameter gets, so
+            # the update is the unsharded one's on any number of ranks); elsewhere shards would draw the
+            # same local stream, and the op-by-op path draws from the DTensor rules' positional stream.
             st = list(st)
-            if sr or not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
+            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
+                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+                continue
+            if sr and not _shards_run_c_kernel(rule, static, p, g, st):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
                 continue
             small, _ = _small_eager(rule, static, p, g, st, sr)
-            key = (small, step, p.device)
+            key = (small, step, p.device, sr)
             batch = batches.get(key)
             if batch is None:
                 batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, small)
-            batch.add(p, g, st)
+            batch.add(p, g, st, keys(i) if sr else None)
         else:
             _update_local(rule, flags, static, p, g, list(st), scalars, step, sr, lambda: keys(i))
     ready.run()
@@ -244,6 +259,21 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             for p, g, st in batch.drop(lambda p, g, st: layout_mismatch(p, g, st) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr)
             batch.run()
+
+
+def _shards_run_c_kernel(rule, static, p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
+    """Whether the stochastically rounding update of the DTensor ``p`` runs the CPU C kernel on its
+    shards through the op with ``sr_keys``: each shard is one range of the flat parameter
+    (:func:`flat_start`), the local shards are plain tensors or ``QuantizedState`` (not a simulated
+    rank's ``LocalTensor``: :func:`shards_of`) and the op's fused kernel for them is the C kernel."""
+    shards = shards_of(p, g, st)
+    if shards is None or flat_start(p) is None:
+        return False
+    lp, lg, lst = shards
+    # small: from the global size, the same choice on every rank (as the op's batches make it)
+    if _small_eager(rule, static, p, g, st, True)[0] or not fusable(lp, lg, lst):
+        return False
+    return _cpu_kernel.supports(KernelSpec.of(rule.name, static, lp, lst, True), lp.device, lg.dtype)
 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
@@ -273,27 +303,32 @@ class _Batch:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
+        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if ``sr``
+        self.keys: list[Optional[int]] = []
 
-    def add(self, p: Tensor, g: Tensor, states: list[Tensor]) -> None:
+    def add(self, p: Tensor, g: Tensor, states: list[Tensor], key: Optional[int] = None) -> None:
         self.params.append(p)
         self.grads.append(g)
         self.states.extend(states)
+        self.keys.append(key)
 
     def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor]]]:
         """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them."""
         n = len(self.states) // len(self.params)
-        members = [(p, g, self.states[i * n:(i + 1) * n]) for i, (p, g) in enumerate(zip(self.params, self.grads))]
-        self.params, self.grads, self.states, dropped = [], [], [], []
-        for p, g, st in members:
+        members = [(p, g, self.states[i * n:(i + 1) * n], key)
+                   for i, (p, g, key) in enumerate(zip(self.params, self.grads, self.keys))]
+        self.params, self.grads, self.states, self.keys, dropped = [], [], [], [], []
+        for p, g, st, key in members:
             if which(p, g, st):
                 dropped.append((p, g, st))
             else:
-                self.add(p, g, st)
+                self.add(p, g, st, key)
         return dropped
 
     def run(self) -> None:
         if self.params:
-            call_fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
+            sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.sr else None
+            call_fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured

@@ -220,7 +220,7 @@ static inline uint32_t lowbias32(uint32_t x) {
 /* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_rounding.py's rule (round the magnitude up
  * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
  * C kernel's own draws: param_draw of the caller's 64-bit key (one per parameter and step) and the
- * element's flat index lo | hi << 32. For one key and hi the inner and outer hashes are bijections of lo:
+ * element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). For one key and hi the inner and outer hashes are bijections of lo:
  * every element of a parameter (below 2**32 of them) gets its own 32-bit hash, of which the draw is the top
  * 16 bits. */
 static inline uint32_t param_draw(uint64_t key, uint32_t lo, uint32_t hi) {
@@ -923,7 +923,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     }
 
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT); ``row_start``: the flat index of the
- * row's first element, ``key``: the parameter's stochastic-rounding key (both read only with PARAM_SR). */
+ * row's first element in the full tensor, ``key``: the parameter's stochastic-rounding key (both read only with PARAM_SR). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
                            const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len,
                            int64_t row_start, uint64_t key) {
@@ -969,10 +969,12 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
  * elements, its states st[k * NSTATES ...]) owns work items first[k] .. first[k + 1] - 1, one per
  * (row, UNIT-segment); ``first``: the caller's scratch of n + 1 entries. Every parameter's states
  * share the kind's tables (those of st[0 .. NSTATES-1]). ``keys``: each parameter's stochastic-rounding
- * key (read only with PARAM_SR; else may be NULL). */
+ * key, ``starts``: the flat index of its first element in the full tensor it is a part of (a DTensor shard's
+ * first row times row_len; 0 for a whole tensor), so that an element's draw depends on its place in the full
+ * tensor, not on the sharding (both read only with PARAM_SR; else may be NULL). */
 void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, const qstate_t *st, const float *h,
                         const int64_t *rows, const int64_t *row_len, int64_t *first, int nthreads,
-                        const uint64_t *keys) {
+                        const uint64_t *keys, const int64_t *starts) {
     if (n <= 0) return;
     first[0] = 0;
     for (int64_t k = 0; k < n; k++) first[k + 1] = first[k] + rows[k] * ((row_len[k] + UNIT - 1) / UNIT);
@@ -992,13 +994,13 @@ void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, co
         const int64_t r = local / segs, c0 = (local % segs) * UNIT;
         const int64_t len = (row_len[k] - c0) < UNIT ? (row_len[k] - c0) : UNIT;
         update_segment(p[k] + r * row_len[k], g[k] + r * row_len[k], st + k * NSTATES, h, planes, enc, r, c0, len,
-                       r * row_len[k], PARAM_SR ? keys[k] : 0);
+                       PARAM_SR ? starts[k] + r * row_len[k] : 0, PARAM_SR ? keys[k] : 0);
     }
 }
 
 /* The whole update of one parameter: rows x row_len elements (qstate_update_many with n = 1). */
 void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float *h, int64_t rows, int64_t row_len,
-                   int nthreads, uint64_t key) {
+                   int nthreads, uint64_t key, int64_t start) {
     int64_t first[2];
-    qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads, &key);
+    qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads, &key, &start);
 }
