@@ -49,6 +49,11 @@ def _sgd_4bit_nesterov(ps, gs, states, step):
           compile=True)
 
 
+def _adamw_bf16_sr(ps, gs, states, step):  # bf16 params rounded stochastically: both kernels hash a key per param
+    F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+            compile=True, stochastic_round=True)
+
+
 def _adam_amsgrad(ps, gs, states, step):
     F.adam(ps, gs, states[0], states[1], [step] * len(ps), max_exp_avg_sqs=states[2], lr=1e-2, beta1=0.8,
            beta2=0.99, eps=1e-6, weight_decay=0.01, amsgrad=True, maximize=True, compile=True)
@@ -80,6 +85,8 @@ CASES = {
                                       [("bf16", True, 0), ("bf16", False, 0), ("bf16", False, 0)]),
     "lion_fp32_states_bf16": (_lion_8bit, torch.bfloat16, [("fp32", True, 0)]),
     "sgd_nesterov_fp32_states": (_sgd_4bit_nesterov, torch.float32, [("fp32", True, 0)]),
+    "adamw_8bit_bf16_sr": (_adamw_bf16_sr, torch.bfloat16, [("8bit", True, 256), ("8bit", False, 256)]),
+    "adamw_fp32_states_bf16_sr": (_adamw_bf16_sr, torch.bfloat16, [("fp32", True, 0), ("fp32", False, 0)]),
 }
 
 
@@ -100,6 +107,7 @@ def _run(case: str, c_kernel: bool, steps: int = 3, extreme: bool = False):
             if extreme:  # and each run of 64 elements scaled by 2**[-149, 30]: subnormal to large scales
                 gs = [(g.float().flatten() * 2.0 ** torch.randint(-149, 31, (g.numel() // 64 + 1,), generator=gen)
                        .repeat_interleave(64)[:g.numel()].float()).reshape(g.shape).to(dtype) for g in gs]
+            torch.manual_seed(step)  # the stochastic-rounding keys' draws (ParamKeys)
             update(ps, gs, states, step)
     return ps, states
 

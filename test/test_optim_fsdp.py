@@ -27,10 +27,11 @@ bits on DTensors from qstate's positional stream (a hash of the seed and the
 *global* index, ``qstate.dtensor_rules._random_ops``); the unsharded run
 reproduces them with ``positional_randint_like``, which shows the shards round
 independently (as slices of one full-tensor draw) and reproducibly from the
-optimizer's seed. With ``compile=True`` they run the shards' C kernel instead,
-whose draws hash a per-parameter key (the one the unsharded parameter at the
-same position gets) with each element's index in the full parameter: the
-sharded run equals the unsharded C-kernel run bit for bit. The step must not
+optimizer's seed. With ``compile=True`` they run the shards' fused kernel
+instead (the C kernel, or with ``c_kernel=False`` the inductor kernel), whose
+draws hash a per-parameter key (the one the unsharded parameter at the same
+position gets) with each element's index in the full parameter: the sharded
+run equals the unsharded run bit for bit. The step must not
 call ``DTensor.to_local``/``from_local``.
 
 Within noise: with torch's own random stream the unsharded bf16 run rounds the
@@ -51,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from dist_utils import run_distributed
+from qstate.optim import cpu_kernel_enabled
 
 STEPS = 3
 SEED = 1234
@@ -70,6 +72,8 @@ class Config:
     min_quantize_numel: int = 100
     #: fused compiled kernels: DTensor runs qstate::fused_update shard by shard
     compile: bool = False
+    #: with ``compile``, the CPU C kernel where it takes the kind (False: the inductor kernel)
+    c_kernel: bool = True
 
     @property
     def stochastic_round(self) -> bool:
@@ -79,7 +83,7 @@ class Config:
         dtype = str(self.param_dtype).removeprefix("torch.")
         return (f"{self.optimizer}({self.state_format}, min_quantize_numel={self.min_quantize_numel}) {dtype} "
                 f"params{' +offload' if self.offload else ''}{' +mp(bf16)' if self.mixed_precision else ''}"
-                f"{' compiled' if self.compile else ''}")
+                f"{' compiled' if self.compile else ''}{' (inductor)' if not self.c_kernel else ''}")
 
 
 #: AdamW: every combination for float32 parameters (states x offload x mixed precision); bf16
@@ -100,6 +104,7 @@ CONFIGS = [
     # bf16 stochastic rounding on the shards' C kernel: draws by each element's place in the full parameter
     Config("AdamW", "8bit", torch.bfloat16, compile=True),
     Config("AdamW", "4bit", torch.bfloat16, offload=True, compile=True),
+    Config("AdamW", "8bit", torch.bfloat16, compile=True, c_kernel=False),  # the inductor kernel draws alike
 ]
 
 
@@ -198,7 +203,8 @@ def _train_sharded(cfg: Config) -> Run:
         loss = _loss(model(_batch(step).to(cfg.param_dtype)))
         loss.backward()
         # the first step creates the states (wrapping local states is allowed there); no step communicates
-        with _no_local_tensor_access() if step else contextlib.nullcontext(), CommDebugMode() as comm:
+        with _no_local_tensor_access() if step else contextlib.nullcontext(), CommDebugMode() as comm, \
+                cpu_kernel_enabled(cfg.c_kernel):
             opt.step()
         assert comm.get_total_counts() == 0, f"{cfg}: the step issued {comm.get_comm_counts()}"
         first = first or _snapshot(model, opt)
@@ -220,7 +226,7 @@ def _train_unsharded(cfg: Config, world_size: int, positional: bool) -> Run:
             g, pc.grad = pc.grad, None
             # gloo AVG of world_size identical gradients, in the gradient's dtype
             pm.grad = ((g * world_size) / world_size).to(pm.dtype)
-        with _PositionalRandom() if positional else contextlib.nullcontext():
+        with _PositionalRandom() if positional else contextlib.nullcontext(), cpu_kernel_enabled(cfg.c_kernel):
             opt.step()
         first = first or _snapshot(master, opt)
         opt.zero_grad()

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ROUNDINGS", "lowbias32", "stochastic_code"]
+__all__ = ["ROUNDINGS", "lowbias32", "lowbias32_int", "stochastic_code"]
 
 #: rounding modes of a quantized state; the first is the default
 ROUNDINGS = ("nearest", "stochastic")
@@ -60,13 +60,17 @@ _K2_SIGNED = 0x846CA68B - (1 << 32)
 
 
 def lowbias32(y: Tensor) -> Tensor:
-    """``lowbias32(bits(y))`` for float32 ``y``, as int64 values in ``[0, 2**32)``.
+    """``lowbias32(bits(y))`` for float32 ``y``, as int64 values in ``[0, 2**32)``."""
+    return lowbias32_int(y.view(torch.int32).long() & _MASK32)
+
+
+def lowbias32_int(x: Tensor) -> Tensor:
+    """``lowbias32(x)`` of int64 ``x`` in ``[0, 2**32)``, as int64 values in ``[0, 2**32)``.
 
     Runs in int64 with a 32-bit mask after each multiply: every product stays
     below ``2**63`` in magnitude (no overflow), and shifts of non-negative
     values are logical.
     """
-    x = y.view(torch.int32).long() & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)

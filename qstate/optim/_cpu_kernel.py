@@ -32,9 +32,11 @@ the call) and each element's flat index (csrc: ``param_draw``), then applies
 :mod:`qstate.optim._rounding`'s rule. A key depends on the position only, not
 on whether the update runs now (:func:`run`) or is queued
 (:meth:`PendingCalls.add`), so batching never changes the draws and a resumed
-run continues the same stream. The draws differ from the op-by-op path's
-``randint_like`` (as the inductor kernel's did); their distribution is the same. ``cpu_kernel_enabled(False)`` turns
-it off for a block of code (tests and benchmarks compare the two kernels).
+run continues the same stream. The inductor kernel draws the same bits from the same key
+(:func:`qstate.optim._rounding.position_draws`); the op-by-op path's ``randint_like`` differs, with the
+same distribution. Each element's index is its place in the full tensor (:func:`run`'s ``start`` for a
+DTensor shard). ``cpu_kernel_enabled(False)`` turns the C kernel off for a block of code (tests and
+benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
 (the loaded kernel, the states' ``qstate_t`` slots, the layout) that later
@@ -245,7 +247,7 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
 
 def _param_sr(spec) -> bool:
     """Whether the kind writes its bfloat16 parameter with stochastic rounding (the kernel's PARAM_SR)."""
-    return spec.stochastic_round and spec.param_dtype == torch.bfloat16
+    return spec.param_sr
 
 
 def param_key() -> int:

@@ -1,8 +1,8 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
 ``functional.apply_update`` calls the op for its DTensor parameters
-(``call_fused_update``; with bf16 stochastic rounding only where the shards
-run the CPU C kernel, with ``sr_keys``, see :mod:`qstate._library`); DTensor's handler for it
+(``call_fused_update``; with bf16 stochastic rounding where the shards run a
+fused kernel, with ``sr_keys``, see :mod:`qstate._library`); DTensor's handler for it
 (:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
 shares its parameter's layout (else ``LayoutMismatch``, before any write) and
 runs it on every shard, so the step code never unwraps a DTensor and issues
@@ -105,7 +105,7 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
     may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are.
-    With ``sr_keys`` every parameter must run the CPU C kernel, whose draws follow the key and each
+    With ``sr_keys`` every parameter must run a fused kernel, whose draws follow the key and each
     element's place in the full tensor; one that would not raises before it is written."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
@@ -168,8 +168,8 @@ def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tens
 
 
 def _check_sr_keys_shard(call: FusedCall, param: Tensor, grad: Tensor, states: list[Tensor], index: int) -> None:
-    """Raise unless ``params[index]``'s update with ``sr_keys`` runs the CPU C kernel, which draws by each
-    element's place in the full tensor."""
+    """Raise unless ``params[index]``'s update with ``sr_keys`` runs a fused kernel (C or inductor), which
+    draws by each element's place in the full tensor."""
     def error(why: str) -> Exception:
         return RuntimeError(f"qstate::fused_update with sr_keys: params[{index}] ({param.dtype} {tuple(param.shape)} "
                             f"on {param.device}): {why}")
@@ -179,10 +179,6 @@ def _check_sr_keys_shard(call: FusedCall, param: Tensor, grad: Tensor, states: l
     if call.eager or not fusable(param, grad, states):
         raise error("it would run op by op (an eager kind, or tensors the fused kernels do not take), which "
                     "cannot draw by its place in the full tensor; call the op without sr_keys")
-    spec = KernelSpec.of(call.rule, call.flags, param, states, True)
-    if not _cpu_kernel.supports(spec, param.device, grad.dtype):
-        raise error(f"its kind {spec.tag()} does not run the CPU C kernel, the only one that draws by its place in "
-                    f"the full tensor; call the op without sr_keys")
 
 
 #: the op's int64 keys as the C kernel's uint64 ones

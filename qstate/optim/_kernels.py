@@ -37,9 +37,10 @@ Shape independence
 On CPU, the kinds :func:`._cpu_kernel.supports` takes (states all 8bit /
 4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
 hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
-bit (except a stochastically rounded bfloat16 parameter's random bits: the C
-kernel hashes its own), one build per kind, about 5x faster than inductor's
-code for quantized states. :func:`run_fused` chooses.
+bit (a stochastically rounded bfloat16 parameter's too: both kernels hash a
+key and each element's index, :func:`._rounding.position_draws`), one build
+per kind, about 5x faster than inductor's code for quantized states.
+:func:`run_fused` chooses.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; DTensor parameters reach it shard by shard through the operator
@@ -56,12 +57,13 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import _splitmix64 as splitmix64
 from .._state import QuantizedState
 from ..formats import get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._rules import RULES, UpdateRule
-from ._rounding import store_param
+from ._rounding import position_draws, store_param
 
 __all__ = ["KernelSpec", "get_kernel", "kernel_kinds", "run_fused"]
 
@@ -86,6 +88,12 @@ class KernelSpec(NamedTuple):
     def quantized(self) -> bool:
         return any(s[0] == "q" for s in self.states)
 
+    @property
+    def param_sr(self) -> bool:
+        """Whether the kind writes its bfloat16 parameter with stochastic rounding: its kernels then take
+        the draws' key and place (:func:`run_fused`)."""
+        return self.stochastic_round and self.param_dtype == torch.bfloat16
+
     def tag(self) -> str:
         parts = [self.rule, str(self.param_dtype).split(".")[-1], "sr" if self.stochastic_round else "rn"]
         parts += ["_".join(str(x) for x in s).replace("torch.", "") for s in self.states]
@@ -107,12 +115,17 @@ def _alias(t: Tensor, shape: Sequence[int]) -> Tensor:
 def _plain_body(spec: KernelSpec, rule: UpdateRule, flags: dict) -> Callable:
     names = rule.scalar_names
 
-    def kernel(p: Tensor, g: Tensor, hyper: Tensor, *states: Tensor) -> None:
+    def kernel(p: Tensor, g: Tensor, hyper: Tensor, place: Tensor, *states: Tensor) -> None:
+        # place (param_sr kinds; else unused): int64 [key, first flat index, row length]
         h = {n: hyper[i] for i, n in enumerate(names)}
         p_new, new = rule.math(p.float(), g.float(), [s.float() for s in states], h, flags)
         for s, value in zip(states, new):
             s.copy_(value)
-        store_param(p, p_new, spec.stochastic_round)
+        draws = None
+        if spec.param_sr:
+            index = place[1] + torch.arange(p.shape[0], dtype=torch.int64, device=p.device)
+            draws = position_draws(place[0], index)
+        store_param(p, p_new, spec.stochastic_round, draws)
 
     return kernel
 
@@ -151,10 +164,11 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
     unit = _block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
-    def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, *flat: Tensor) -> list[Tensor]:
+    def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, place: Tensor, *flat: Tensor) -> list[Tensor]:
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
+        # place (param_sr kinds; else unused): int64 [key, first flat index, row length]
         rows, nb = p.shape[0], p.shape[1]
         n = rows * nb
         p = p.view(n, unit)
@@ -186,8 +200,14 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
             # padding lanes get arbitrary codes: _BlockSpace.write_back drops them
             codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding).view(n, unit)))
             new_scales.append(new_scale)
+        draws = None
+        if spec.param_sr:  # block row i = (r, b) holds the row's columns b * unit ..: flat r * row_len + column
+            block_row = torch.arange(n, dtype=torch.int64, device=p.device)
+            first = place[1] + (block_row // nb) * place[2] + (block_row % nb) * unit
+            draws = position_draws(place[0], first.view(n, 1) + torch.arange(unit, dtype=torch.int64,
+                                                                               device=p.device))
         # padding keeps its value (which also keeps this write in the loops over blocks)
-        store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round)
+        store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round, draws)
         # returned, not written: the old scales are still being read (the caller copies them)
         return new_scales
 
@@ -276,6 +296,8 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
 
 
 _LIMITS: dict[tuple, Tensor] = {}
+#: per device, the ``place`` argument of kinds without parameter stochastic rounding (unread)
+_NO_PLACE: dict[torch.device, Tensor] = {}
 
 
 def _block_limits(rows: int, row_len: int, unit: int, device: torch.device) -> Tensor:
@@ -332,12 +354,24 @@ def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], 
               key: Optional[int] = None, start: int = 0) -> None:
     """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``).
 
-    Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results; ``key`` and
-    ``start``: :func:`._cpu_kernel.run`'s); the others run the compiled inductor kernel of their kind.
+    Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results); the others
+    run the compiled inductor kernel of their kind. A ``param_sr`` kind's draws hash ``key`` (64 bits;
+    None: :func:`._cpu_kernel.param_key` drawn now) with each element's flat index in the full tensor
+    ``p`` is a part of (``start``: its first element's), the same in both kernels
+    (:func:`._rounding.position_draws`).
     """
     if _cpu_kernel.supports(spec, p.device, g.dtype):
         _cpu_kernel.run(spec, p, g, states, hyper, key, start)
         return
+    place = _NO_PLACE.get(p.device) if not spec.param_sr else None
+    if place is None:
+        if spec.param_sr:
+            key = _cpu_kernel.param_key() if key is None else key
+            row_len = states[0].row_len if spec.quantized else p.numel()
+            place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), start, row_len], dtype=torch.int64)
+            place = place.to(p.device)
+        else:
+            place = _NO_PLACE[p.device] = torch.zeros(3, dtype=torch.int64, device=p.device)
     kernel = get_kernel(spec, p.device)
     space = None
     if spec.quantized:
@@ -351,10 +385,10 @@ def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], 
             scales.append(space.view(s.scale, unit // s.block_size, True))
             flat += [space.view(s.codes, unit * codec.fmt.bits // 8, True), scales[-1], *codec.tables]
         args = (space.view(p.detach(), unit, True, split=True), space.view(g, unit, False), hyper,
-                _block_limits(q0.rows, q0.row_len, unit, p.device), *flat)
+                _block_limits(q0.rows, q0.row_len, unit, p.device), place, *flat)
     else:
         n = (p.numel(),)
-        args = (_alias(p.detach(), n), _alias(g, n), hyper, *[_alias(s, n) for s in states])
+        args = (_alias(p.detach(), n), _alias(g, n), hyper, place, *[_alias(s, n) for s in states])
     dyn, shapes = _static_config()
     with dyn, shapes:
         out = kernel(*args)

@@ -12,27 +12,51 @@ The result rounds up with probability ``low / 2**16``, so its expected value
 is exactly ``x`` (float32 sign-magnitude bits make this hold for negative
 values too). Random bits come from the default generator of ``x``'s device;
 the optimizer swaps its own saved generator state in around the step.
+
+The fused kernels (the CPU C kernel and the compiled inductor kernel) draw
+``r`` instead from a hash of a 64-bit key (one per parameter and update) and
+each element's flat index in the full parameter (:func:`position_draws`, the
+C kernel's ``param_draw``), so both give the same bits, and shards of a
+parameter, updated with their first element's index, draw as the whole
+parameter would.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-__all__ = ["stochastic_round_bf16", "store_param"]
+from ..formats import lowbias32_int
+
+__all__ = ["position_draws", "stochastic_round_bf16", "store_param"]
+
+_MASK32 = 0xFFFFFFFF
 
 
-def stochastic_round_bf16(x: Tensor) -> Tensor:
-    """``x`` (float32) rounded stochastically to bfloat16, unbiased."""
+def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
+    """``x`` (float32) rounded stochastically to bfloat16, unbiased: with ``draws`` (integers in
+    ``[0, 2**16)`` of ``x``'s shape, e.g. :func:`position_draws`), else from the default generator."""
     bits = x.view(torch.int32)
-    r = torch.randint_like(bits, 0, 1 << 16)
+    r = torch.randint_like(bits, 0, 1 << 16) if draws is None else draws
     truncated = bits & -65536
     rounded = torch.where(r < (bits & 0xFFFF), truncated + 0x10000, truncated)
     return rounded.view(torch.float32).bfloat16()
 
 
-def store_param(p: Tensor, value: Tensor, stochastic_round: bool) -> None:
-    """``p.copy_(value)``; a bfloat16 ``p`` with ``stochastic_round`` rounds stochastically."""
+def position_draws(key: Tensor, index: Tensor) -> Tensor:
+    """16-bit draws (int64 in ``[0, 2**16)``) of the elements at the flat indices ``index`` (int64, >= 0)
+    under the 64-bit ``key`` (an int64 tensor: the key's two's complement): ``lowbias32(lowbias32(lo ^ k_lo)
+    ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
+    kernel's ``param_draw``)."""
+    inner = lowbias32_int((index & _MASK32) ^ (key & _MASK32))
+    return lowbias32_int(inner ^ ((index >> 32) & _MASK32) ^ ((key >> 32) & _MASK32)) >> 16
+
+
+def store_param(p: Tensor, value: Tensor, stochastic_round: bool, draws: Optional[Tensor] = None) -> None:
+    """``p.copy_(value)``; a bfloat16 ``p`` with ``stochastic_round`` rounds stochastically (with ``draws``
+    where given: :func:`stochastic_round_bf16`)."""
     if stochastic_round and p.dtype == torch.bfloat16:
-        value = stochastic_round_bf16(value.float())
+        value = stochastic_round_bf16(value.float(), draws)
     p.copy_(value)

@@ -15,7 +15,8 @@ Paths
   or all plain ``QuantizedState``: one fused compiled kernel per parameter
   (decode -> update -> encode in one pass; one graph per kernel kind, see
   ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
-  takes, bf16 stochastic rounding with its own draws included: a parameter's
+  takes, bf16 stochastic rounding included (both kernels draw from a hash of
+  a per-parameter key and each element's index): a parameter's
   later steps reuse its prepared call, and a step's prepared calls of one
   kernel run as one C call), except parameters with
   plain states and fewer than
@@ -30,14 +31,15 @@ Paths
   Later steps queue the shard's prepared C-kernel call with the plain
   parameters' where the op would run exactly that call on the CPU
   (``_fused_op.prepared_shard_call``). bf16 stochastic rounding takes this
-  path where the shards run the CPU C kernel and each is one range of the
-  flat parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are the
-  keys a plain parameter at that position would get and each element draws
-  by its place in the full parameter, so the sharded update is the
-  unsharded one, bit for bit, on any number of ranks.
+  path where the shards are fusable and each is one range of the flat
+  parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are the keys
+  a plain parameter at that position would get, and the fused kernels (C
+  and inductor alike) draw by each element's place in the full parameter,
+  so the sharded update is the unsharded one, bit for bit, on any number
+  of ranks.
 * otherwise (``compile=False``, stochastic rounding on DTensors elsewhere
-  (other devices or placements, simulated ranks), other layouts, mixed
-  devices, views): the same math eagerly, op by op. States are read with out-of-place math (plain
+  (other placements, simulated ranks), other layouts, mixed devices,
+  views): the same math eagerly, op by op. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
   quantized state in place into its own layout. Nothing here touches a
   state's inner tensors or a DTensor's local tensor, so each op dispatches
@@ -232,15 +234,15 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
             # of a batch it rejects (LayoutMismatch, before any write), the parameters whose
             # layouts differ run op by op and the others the op.
-            # With stochastic rounding only where the shards run the CPU C kernel, whose draws follow
-            # each element's place in the full parameter (sr_keys: the keys a plain parameter gets, so
-            # the update is the unsharded one's on any number of ranks); elsewhere shards would draw the
-            # same local stream, and the op-by-op path draws from the DTensor rules' positional stream.
+            # With stochastic rounding where the shards run a fused kernel, whose draws follow each
+            # element's place in the full parameter (sr_keys: the keys a plain parameter gets, so the
+            # update is the unsharded one's on any number of ranks); elsewhere the op-by-op path draws
+            # from the DTensor rules' positional stream (a local stream would repeat on every shard).
             st = list(st)
             if not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
                 continue
-            if sr and not _shards_run_c_kernel(rule, static, p, g, st):
+            if sr and not _shards_draw_by_place(rule, static, p, g, st):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
                 continue
             small, _ = _small_eager(rule, static, p, g, st, sr)
@@ -261,19 +263,17 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             batch.run()
 
 
-def _shards_run_c_kernel(rule, static, p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
-    """Whether the stochastically rounding update of the DTensor ``p`` runs the CPU C kernel on its
-    shards through the op with ``sr_keys``: each shard is one range of the flat parameter
-    (:func:`flat_start`), the local shards are plain tensors or ``QuantizedState`` (not a simulated
-    rank's ``LocalTensor``: :func:`shards_of`) and the op's fused kernel for them is the C kernel."""
+def _shards_draw_by_place(rule, static, p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
+    """Whether the stochastically rounding update of the DTensor ``p`` runs a fused kernel (the C or
+    the inductor kernel, which draw by each element's place) on its shards through the op with
+    ``sr_keys``: each shard is one range of the flat parameter (:func:`flat_start`), the local shards
+    are plain tensors or ``QuantizedState`` (not a simulated rank's ``LocalTensor``: :func:`shards_of`)
+    and fusable, and the kind is not one that runs small plain states op by op."""
     shards = shards_of(p, g, st)
     if shards is None or flat_start(p) is None:
         return False
-    lp, lg, lst = shards
     # small: from the global size, the same choice on every rank (as the op's batches make it)
-    if _small_eager(rule, static, p, g, st, True)[0] or not fusable(lp, lg, lst):
-        return False
-    return _cpu_kernel.supports(KernelSpec.of(rule.name, static, lp, lst, True), lp.device, lg.dtype)
+    return not _small_eager(rule, static, p, g, st, True)[0] and fusable(*shards)
 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
@@ -285,7 +285,7 @@ def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None
         if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
             _cpu_kernel.run(spec, p, g, st, scalars.host(step), key() if sr else 0)
         else:
-            run_fused(spec, p, g, st, scalars.hyper(step, p.device))
+            run_fused(spec, p, g, st, scalars.hyper(step, p.device), key() if sr else None)
     else:
         update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
 
