@@ -6,7 +6,8 @@ Each check prints one line. They cover the paths the CPU suite can only reach
 with FakeTensors: the FSDP2 + CPUOffloadPolicy + compiled 8-bit step with a
 CUDA ``lr`` tensor (the field's "two different devices" crash), gradient
 scaling with CPU-offloaded gradients and a CUDA scale, the compiled kernels
-on CUDA against eager, and loading CPU-saved states onto CUDA.
+on CUDA against eager, bf16 stochastic rounding on CUDA DTensor shards (the
+inductor kernel's draws by place), and loading CPU-saved states onto CUDA.
 """
 
 from __future__ import annotations
@@ -98,6 +99,33 @@ def check_compiled_kernels_equal_eager_on_cuda() -> None:
             assert agree > 0.999, (fmt, agree)
 
 
+def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
+    # the inductor kernel's draws (a hash of key and flat index in int64 ops) are the CPU's, and a CUDA
+    # DTensor parameter rounds through qstate::fused_update with the plain parameter's key: the same bits
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from qstate.optim._rounding import position_draws
+
+    key = torch.tensor(-0x123456789ABCDEF, dtype=torch.int64)
+    index = torch.randint(0, 2**40, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(position_draws(key.cuda(), index.cuda()).cpu(), position_draws(key, index))
+    mesh = init_device_mesh("cuda", (1,))
+    runs = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        w = torch.randn(65, 257, device="cuda").bfloat16()
+        p = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]) if sharded else w)
+        opt = qstate.optim.AdamW([p], lr=1e-2, state_format="8bit", min_quantize_numel=0,
+                                 bf16_stochastic_round=True, seed=7)
+        for step in range(2):
+            g = torch.randn(65, 257, device="cuda", generator=torch.Generator("cuda").manual_seed(step)).bfloat16()
+            p.grad = distribute_tensor(g, mesh, [Shard(0)]) if sharded else g
+            opt.step()
+        runs.append(p.detach().full_tensor() if sharded else p.detach())
+    assert torch.equal(*runs)
+
+
 def check_cpu_saved_state_loads_on_cuda() -> None:
     q = qstate.quantize(torch.randn(300, 70), "4bit", signed=False)
     buf = io.BytesIO()
@@ -118,7 +146,8 @@ def main() -> None:
     dist.init_process_group("nccl" if dist.is_nccl_available() else "gloo", rank=0, world_size=1)
     torch.cuda.set_device(0)
     checks = [check_offload_compiled_step_with_cuda_lr, check_grad_scaler_with_offloaded_grads,
-              check_compiled_kernels_equal_eager_on_cuda, check_cpu_saved_state_loads_on_cuda]
+              check_compiled_kernels_equal_eager_on_cuda, check_bf16_stochastic_rounding_on_cuda_shards,
+              check_cpu_saved_state_loads_on_cuda]
     try:
         for check in checks:
             check()
