@@ -239,10 +239,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # update is the unsharded one's on any number of ranks); elsewhere the op-by-op path draws
             # from the DTensor rules' positional stream (a local stream would repeat on every shard).
             st = list(st)
-            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
-                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
-                continue
-            if sr and not _shards_draw_by_place(rule, static, p, g, st):
+            if (not (is_dtensor(g) and all(is_dtensor(x) for x in st))
+                    or (sr and not _shards_draw_by_place(rule, static, p, g, st))):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
                 continue
             small, _ = _small_eager(rule, static, p, g, st, sr)
@@ -278,7 +276,7 @@ def _shards_draw_by_place(rule, static, p: Tensor, g: Tensor, st: list[Tensor]) 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
     """One update of a plain parameter with ``compile=True`` (module docstring, "Paths"); ``key()``: its
-    stochastic-rounding key for the C kernel."""
+    stochastic-rounding key for the fused kernels."""
     small, spec = _small_eager(rule, static, p, g, st, sr)
     if not small and fusable(p, g, st):
         spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
