@@ -327,21 +327,15 @@ def test_one_build_per_kind_not_per_shape(monkeypatch):
     assert len(_cpu_kernel.built_kinds()) == len(CASES) - 1
 
 
-def _lowbias32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of int64 tensors holding uint32 values: qstate.formats.lowbias32 of those bit patterns."""
-    return qstate.formats.lowbias32(torch.where(x >= 2**31, x - 2**32, x).to(torch.int32).view(torch.float32))
-
-
 def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
-    """The C kernel's stochastic rounding (``store_p_sr``, ``param_draw``) of float32 ``value`` with ``key``,
-    in torch ops: qstate.optim._rounding's rule with the draws the top 16 bits of a hash of the key and each
-    element's flat index. ``value`` finite."""
-    index = torch.arange(value.numel(), dtype=torch.int64)
-    draw = _lowbias32(_lowbias32((index & 0xFFFFFFFF) ^ (key & 0xFFFFFFFF)) ^ (index >> 32) ^ (key >> 32)) >> 16
-    bits = value.flatten().view(torch.int32).long() & 0xFFFFFFFF
-    truncated = bits & 0xFFFF0000
-    rounded = torch.where(draw < (bits & 0xFFFF), truncated + 0x10000, truncated)
-    return (rounded >> 16).to(torch.int16).view(torch.bfloat16).reshape(value.shape)
+    """The C kernel's stochastic rounding (``store_p_sr``, ``param_draw``) of float32 ``value`` with the 64-bit
+    ``key``, in torch ops: qstate.optim._rounding's rule with its position_draws of each element's flat index.
+    ``value`` finite."""
+    from qstate import _splitmix64
+    from qstate.optim._rounding import position_draws, stochastic_round_bf16
+
+    draws = position_draws(torch.tensor(_splitmix64.as_int64(key)), torch.arange(value.numel(), dtype=torch.int64))
+    return stochastic_round_bf16(value.flatten(), draws).reshape(value.shape)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])

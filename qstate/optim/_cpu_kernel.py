@@ -245,11 +245,6 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
 
 
-def _param_sr(spec) -> bool:
-    """Whether the kind writes its bfloat16 parameter with stochastic rounding (the kernel's PARAM_SR)."""
-    return spec.param_sr
-
-
 def param_key() -> int:
     """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
     ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
@@ -285,7 +280,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines += [f"#define {name.upper()} {int(bool(flags.get(name, False)))}" for name in _FLAG_MACROS]
     lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
-    lines.append(f"#define PARAM_SR {int(_param_sr(spec))}")
+    lines.append(f"#define PARAM_SR {int(spec.param_sr)}")
     lines.append(f"#define NSTATES {len(spec.states)}")
     sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
@@ -471,7 +466,7 @@ class PreparedCall:
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
         #: whether each call takes a stochastic-rounding key (:class:`ParamKeys`)
-        self.sr = _param_sr(spec)
+        self.sr = spec.param_sr
         #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)

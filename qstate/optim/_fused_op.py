@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .. import _splitmix64 as splitmix64
 from .._library import LIBRARY, fused_update, hyper_tensor, states_per_param
 from ..dtensor_rules._fused_ops import shards_of
 from ..ops import register
@@ -119,7 +120,7 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
-        key = None if sr_keys is None else sr_keys[i] & _MASK64
+        key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
         start = starts[i] if starts else 0
         prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states, start)
         if prepared is not None:
@@ -180,9 +181,6 @@ def _check_sr_keys_shard(call: FusedCall, param: Tensor, grad: Tensor, states: l
         raise error("it would run op by op (an eager kind, or tensors the fused kernels do not take), which "
                     "cannot draw by its place in the full tensor; call the op without sr_keys")
 
-
-#: the op's int64 keys as the C kernel's uint64 ones
-_MASK64 = (1 << 64) - 1
 
 LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")
 

@@ -220,9 +220,9 @@ static inline uint32_t lowbias32(uint32_t x) {
 /* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_rounding.py's rule (round the magnitude up
  * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
  * C kernel's own draws: param_draw of the caller's 64-bit key (one per parameter and step) and the
- * element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). For one key and hi the inner and outer hashes are bijections of lo:
- * every element of a parameter (below 2**32 of them) gets its own 32-bit hash, of which the draw is the top
- * 16 bits. */
+ * element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). For one key and
+ * hi the inner and outer hashes are bijections of lo: every element of a parameter (below 2**32 of them)
+ * gets its own 32-bit hash, of which the draw is the top 16 bits. */
 static inline uint32_t param_draw(uint64_t key, uint32_t lo, uint32_t hi) {
     return lowbias32(lowbias32(lo ^ (uint32_t)key) ^ hi ^ (uint32_t)(key >> 32)) >> 16;
 }
@@ -923,7 +923,8 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     }
 
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT); ``row_start``: the flat index of the
- * row's first element in the full tensor, ``key``: the parameter's stochastic-rounding key (both read only with PARAM_SR). */
+ * row's first element in the full tensor, ``key``: the parameter's stochastic-rounding key (both read only
+ * with PARAM_SR). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
                            const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len,
                            int64_t row_start, uint64_t key) {
