@@ -4,10 +4,13 @@
 largest element is exact and the others keep 3 mantissa bits
 (relative error <= 2**-4), down to the subnormal step ``2**-9 * scale``.
 Unsigned states round a positive value below that step up to it, never to 0.
-Codes are torch's ``float8_e4m3fn`` conversion, which saturates: a value
-that rounds past 448, an infinity included, takes 448's code, and only NaN
-takes a NaN code. Past 448 happens where the scale is subnormal (a block's
-absmax under ``448 * 2**-126``): ``absmax / 448`` is then coarse (absmax
+Codes are torch's ``float8_e4m3fn`` conversion of the value clamped to
+``[-448, 448]``: a value past 448, an infinity included, takes 448's code,
+and only NaN takes a NaN code. (torch 2.13's conversion saturates by
+itself; older ones, 2.11 among them, give NaN from 480 up, so the clamp
+keeps every version's codes, and the C kernel's, the same.) Past 448
+happens where the scale is subnormal (a block's absmax under
+``448 * 2**-126``): ``absmax / 448`` is then coarse (absmax
 ``1000 * 2**-149`` has the scale ``2 * 2**-149``, and that element is 500
 scales).
 """
@@ -35,7 +38,7 @@ class Float8Format(BlockFormat):
 
     def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
         assert rounding == "nearest", rounding  # supports_rounding: nearest only
-        codes = y.to(_E4M3).view(torch.uint8)
+        codes = y.clamp(-self.max_code, self.max_code).to(_E4M3).view(torch.uint8)
         if not signed:
             codes = torch.where((codes == 0) & (y > 0), _SMALLEST_SUBNORMAL_BITS, codes)
             codes = torch.where(y < 0, 0, codes).to(torch.uint8)
