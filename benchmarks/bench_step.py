@@ -11,8 +11,12 @@ timed interleaved (see ``_common.py``) and each median step is divided by
 torch's fused fp32 AdamW's.
 torchao's and bitsandbytes' 8-bit AdamW join when importable; a candidate
 whose first step raises is dropped with a printed note.
+With ``--device cuda`` parameters, gradients and states live on the GPU, each
+timed step ends with ``torch.cuda.synchronize()``, and the compiled step is
+inductor's Triton kernel (no "compiled, inductor" rows: the C kernel is CPU-only).
 
-    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--weights 1] [--only fused,8bit] [--out DIR]
+    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--weights 1] [--only fused,8bit] [--skip inductor] [--out DIR]
+                                    [--device cpu|cuda]
 
 Writes ``DIR/bench_step.json`` and, when matplotlib imports
 (``pip install -e ".[bench]"``), ``DIR/bench_step.png``.
@@ -47,7 +51,7 @@ class InductorKernel:
             self.opt.step()
 
 
-def candidates() -> tuple[dict[str, Callable], list[str]]:
+def candidates(device: str = "cpu") -> tuple[dict[str, Callable], list[str]]:
     """Factories ``params -> optimizer`` (lr 1e-3, other arguments default), and notes on skipped ones."""
     makers: dict[str, Callable] = {
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -57,7 +61,7 @@ def candidates() -> tuple[dict[str, Callable], list[str]]:
         for compile in (True, False):
             makers[f"qstate {fmt} {'compiled' if compile else 'eager'}"] = (
                 lambda ps, fmt=fmt, compile=compile: AdamW(ps, lr=1e-3, state_format=fmt, compile=compile))
-    for fmt in C_KERNEL_FORMATS:
+    for fmt in C_KERNEL_FORMATS if device == "cpu" else ():
         makers[f"qstate {fmt} compiled, inductor"] = (
             lambda ps, fmt=fmt: InductorKernel(AdamW(ps, lr=1e-3, state_format=fmt)))
     others, notes = third_party_adamw8bit()
@@ -65,26 +69,38 @@ def candidates() -> tuple[dict[str, Callable], list[str]]:
     return makers, notes
 
 
-def params_and_grads(n: int, weights: int = 1) -> list[torch.nn.Parameter]:
+def params_and_grads(n: int, weights: int = 1, device: str = "cpu") -> list[torch.nn.Parameter]:
     """``weights`` weights of ``[n / weights / 1024, 1024]`` and as many ``[1024]`` biases, with gradients."""
     torch.manual_seed(0)
     rows = max(1, n // weights // 1024)
-    ps = [torch.nn.Parameter(torch.randn(rows, 1024)) for _ in range(weights)]
-    ps += [torch.nn.Parameter(torch.randn(1024)) for _ in range(weights)]
+    ps = [torch.nn.Parameter(torch.randn(rows, 1024, device=device)) for _ in range(weights)]
+    ps += [torch.nn.Parameter(torch.randn(1024, device=device)) for _ in range(weights)]
     for p in ps:
         p.grad = torch.randn_like(p)
     return ps
 
 
-def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[str], weights: int = 1) -> dict:
+def _synced_step(opt: torch.optim.Optimizer, device: str) -> Callable[[], None]:
+    """``opt.step``, waiting for the device's queued work on an accelerator (the time a caller sees)."""
+    if device == "cpu":
+        return opt.step
+
+    def step() -> None:
+        opt.step()
+        torch.accelerator.synchronize()
+    return step
+
+
+def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[str], weights: int = 1,
+               device: str = "cpu") -> dict:
     """One size: per candidate the median step (ms), its ratio to the baseline, state bytes and first step."""
-    ps = params_and_grads(n, weights)
+    ps = params_and_grads(n, weights, device)
     numel = sum(p.numel() for p in ps)
     opts, rows = {}, {}
     for name, make in makers.items():
         opt = make(ps)
         try:
-            first = timed(opt.step)  # creates the states, compiles
+            first = timed(_synced_step(opt, device))  # creates the states, compiles
         except Exception as e:
             notes.append(f"dropped {name} at {numel} parameters: its first step raised "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -93,7 +109,7 @@ def bench_size(n: int, makers: dict[str, Callable], repeats: int, notes: list[st
         opts[name] = opt
         rows[name] = {"first_step_s": first, "state_bytes": state_nbytes(opt)}
         print(f"  first step {name:24s} {first:8.2f} s", flush=True)
-    times = time_interleaved({name: opt.step for name, opt in opts.items()}, repeats)
+    times = time_interleaved({name: _synced_step(opt, device) for name, opt in opts.items()}, repeats)
     base = rows.get(BASELINE)
     for name, row in rows.items():
         row["times_ms"] = [1e3 * t for t in times[name]]
@@ -168,22 +184,28 @@ def main() -> None:
     ap.add_argument("--weights", type=int, default=1,
                     help="split each size into this many [rows, 1024] weights, each with a [1024] bias")
     ap.add_argument("--only", default="", help="comma list of substrings of candidate names (baseline kept)")
+    ap.add_argument("--skip", default="", help="comma list of substrings of candidate names to leave out")
     ap.add_argument("--out", default=RESULTS_DIR, help="directory for bench_step.json / .png")
+    ap.add_argument("--device", default="cpu", help="where parameters, gradients and states live (cpu, cuda)")
     args = ap.parse_args()
     cold_compile_cache()  # first steps include compilation
-    makers, notes = candidates()
+    makers, notes = candidates(args.device)
     only = parse_list(args.only)
     if only:
         makers = {k: v for k, v in makers.items() if k == BASELINE or any(o in k for o in only)}
+    skip = parse_list(args.skip)
+    makers = {k: v for k, v in makers.items() if k == BASELINE or not any(o in k for o in skip)}
     for note in notes:
         print(note)
-    results = {"env": environment(), "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
+    results = {"env": environment(), "device": args.device, "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
                "notes": notes, "sizes": {}}
     env = results["env"]
     print(f"{env['cpu']}, {env['threads']} threads, C kernel vector paths: {env['kernel_vector_paths']}")
+    if args.device != "cpu":
+        print(f"device: {torch.accelerator.current_accelerator()} ({torch.cuda.get_device_name()})")
     for label in parse_list(args.sizes):
         print(f"== {label}", flush=True)
-        results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes, args.weights)
+        results["sizes"][label] = bench_size(parse_size(label), makers, args.repeats, notes, args.weights, args.device)
     for label, size in results["sizes"].items():
         print_table(label, size)
     results["targets"] = targets(results["sizes"])
