@@ -646,6 +646,38 @@ def test_integer_additive_property(case: tuple[Any, ...]) -> None:
     assert result.ok, result.error
 
 
+@st.composite
+def shift_cases(draw: Any) -> tuple[Any, ...]:
+    op = draw(st.sampled_from([">>", "<<", ">>t", "<<t"]))
+    dtype = draw(st.sampled_from(INT_DTYPES))
+    mesh_shape = draw(mesh_shapes())
+    shape = draw(shapes(1, 3, 7))
+    # Partial inputs: the shift of a sum is not the sum of shifts, so DTensor reduces them first
+    placements = draw(placements_st(len(shape), len(mesh_shape), ("sum",)))
+    amount = draw(st.integers(0, 8 * torch.tensor([], dtype=dtype).element_size() - 1))
+    seed = draw(st.integers(0, 2**16))
+    return op, dtype, shape, mesh_shape, placements, amount, seed
+
+
+@settings(PROPERTY, max_examples=200)
+@given(shift_cases())
+def test_shift_operators_property(case: tuple[Any, ...]) -> None:
+    """W12: ``x >> k`` and ``x << k`` (a scalar or a tensor ``k``) equal plain torch on any placement."""
+    op, dtype, shape, mesh_shape, placements, amount, seed = case
+    h = harness()
+    x = random_tensor(shape, dtype, seed, finite=True)
+    k = torch.full(shape, amount, dtype=dtype)
+    fn = {">>": lambda t: t >> amount, "<<": lambda t: t << amount,
+          ">>t": lambda t, u: t >> u, "<<t": lambda t, u: t << u}[op]
+    k_placements = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)  # x's layout
+    args = [DArg(x, placements)] + ([DArg(k, k_placements)] if op.endswith("t") else [])
+    with h.simulate():
+        result = run_case(_named(fn, op), args, h.mesh(mesh_shape), seed=seed)
+    assert result.ok and not result.skipped, result.error
+    if not any(isinstance(p, Partial) for p in placements):
+        assert result.total_comms == 0, result.comm_counts
+
+
 # ================================================= torch's own rules (2.13)
 def test_harness_flags_torch_rules(torch_rules: None) -> None:
     """Against torch 2.13's own tables the harness reports each known bug."""
@@ -659,6 +691,8 @@ def test_harness_flags_torch_rules(torch_rules: None) -> None:
     copy_ = _named(lambda a, b: a.copy_(b), "copy_")
     fill_ = _named(lambda t: t.fill_(3.0), "fill_")
     randint, randint_ref = (_random_op("randint_like", 0, 1000, 5, p) for p in (False, True))
+    xi64 = torch.arange(24, dtype=torch.int64).view(4, 6)
+    rshift = _named(lambda t: t >> 2, "__rshift__")
     P, R, S0, S1 = Partial("sum"), Replicate(), Shard(0), Shard(1)
     found = {}
     with h.simulate():
@@ -674,6 +708,7 @@ def test_harness_flags_torch_rules(torch_rules: None) -> None:
             ("W5 int Partial + Replicate", add, [DArg(xi, (P,)), DArg(xi, (R,))], m1, None),
             ("W6 fill_ Partial", fill_, [DArg(xp, (P,))], m1, None),
             ("W9 copy_ into int Partial", copy_, [DArg(xi, (P,)), DArg(xi, (R,))], m1, None),
+            ("W12 >> returns its input", rshift, [DArg(xi64, (S0,))], m1, None),
         ]
         for name, op, args, mesh, ref in cases:
             with warnings.catch_warnings():

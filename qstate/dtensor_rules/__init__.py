@@ -12,6 +12,8 @@ replacements as data:
   reproducible and layout-invariant
 * :mod:`._partial_ops` ``fill_``, ``copy_`` and integer ``add``/``sub`` on
   ``Partial`` inputs
+* :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),
+  which torch returns unchanged
 * :mod:`._fused_ops`   ``qstate::fused_update`` (qstate's optimizer update): shard
   by shard when param, grad and states share one layout
 
@@ -22,7 +24,7 @@ puts torch's entries back, :func:`installed` lists what is overridden and why.
 
 from __future__ import annotations
 
-from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _view_ops
+from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _shift_ops, _view_ops
 from qstate.dtensor_rules._comm import (
     forbid_implicit_communication,
     ImplicitCommunicationError,
@@ -53,7 +55,8 @@ __all__ = [
 ]
 
 #: Every rule this package knows, in the order it is applied.
-RULES: tuple[Rule, ...] = _view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _fused_ops.RULES
+RULES: tuple[Rule, ...] = (_view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _shift_ops.RULES
+                          + _fused_ops.RULES)
 
 _REGISTRY = Registry(RULES)
 
