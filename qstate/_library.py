@@ -19,6 +19,11 @@ without importing the optimizers.
   it for the shards, so that each element's draw depends on its place in the
   full tensor: independent shards, the same draws on any number of ranks);
   ``None``: keys drawn in the kernel, starts 0.
+* ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
+  index in ``self`` (for a DTensor: in the full tensor, computed on each rank
+  from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
+  DTensor handler: :mod:`qstate.dtensor_rules._random_ops`). Stochastic
+  rounding hashes it with a key, so every path and layout draws alike.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ import torch
 
 from typing import Sequence, Union
 
-__all__ = ["LIBRARY", "fused_update", "hyper_tensor", "states_per_param"]
+__all__ = ["LIBRARY", "flat_index_like", "fused_update", "hyper_tensor", "states_per_param"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
 LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind, "
                "int[]? sr_keys=None, int[]? starts=None) -> ()")
 
+LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
+
 fused_update = torch.ops.qstate.fused_update.default
+flat_index_like = torch.ops.qstate.flat_index_like.default
 
 
 def hyper_tensor(hyper: Union[torch.Tensor, Sequence[float]]) -> torch.Tensor:

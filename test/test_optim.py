@@ -364,6 +364,31 @@ def test_bf16_stochastic_rounding_expected_value_and_resume(compile):
     assert torch.equal(torch.rand(3), a)
 
 
+def test_bf16_stochastic_rounding_draws_the_same_on_every_path():
+    # compile=False draws as the fused kernels do (a hash of the parameter's key and each element's index),
+    # so the eager math, the C kernel and the inductor kernel round a bf16 parameter alike. Plain SGD with a
+    # power-of-two lr has an exact product, so every path's float32 value, hence the parameter, is the same
+    # bit for bit (otherwise a path that fuses the multiply-add, as ATen does, moves a few values by one
+    # float32 step, which can flip a rounding decision)
+    torch.manual_seed(0)
+    start = torch.randn(300, 301).bfloat16()  # above functional.SMALL_PLAIN_NUMEL: inductor's kernel runs
+    grads = [torch.randn(300, 301).bfloat16() for _ in range(3)]
+    runs = []
+    for compile, c_kernel in [(False, True), (True, True), (True, False)]:
+        p = torch.nn.Parameter(start.clone())
+        opt = SGD([p], lr=2.0**-10, state_format="fp32", bf16_stochastic_round=True, seed=7, compile=compile)
+        with cpu_kernel_enabled(c_kernel):
+            for g in grads:
+                p.grad = g.clone()
+                opt.step()
+        runs.append(p.detach())
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    nearest = start.float()
+    for g in grads:
+        nearest = (nearest - 2.0**-10 * g.float()).bfloat16().float()
+    assert not torch.equal(runs[0].float(), nearest)
+
+
 def test_a_compiled_caller_skips_the_optimizer_and_gets_the_same_results():
     # torch.compile over code that calls step() or the functional form: dynamo skips them
     # (torch.compiler.disable) and they run their own kernels, as when called directly. Traced instead, the

@@ -23,19 +23,17 @@ What is exact, per config: losses, gradients, parameters and every state's
 run's bit for bit, for fp32 *and* 8-bit states: quantization blocks never cross
 rows and FSDP2 shards whole rows, so each shard quantizes the same blocks from
 the same values. bfloat16 parameters with stochastic rounding draw their random
-bits on DTensors from qstate's positional stream (a hash of the seed and the
-*global* index, ``qstate.dtensor_rules._random_ops``); the unsharded run
-reproduces them with ``positional_randint_like``, which shows the shards round
-independently (as slices of one full-tensor draw) and reproducibly from the
-optimizer's seed. With ``compile=True`` they run the shards' fused kernel
-instead (the C kernel, or with ``c_kernel=False`` the inductor kernel), whose
-draws hash a per-parameter key (the one the unsharded parameter at the same
-position gets) with each element's index in the full parameter: the sharded
-run equals the unsharded run bit for bit. The step must not
+bits from a hash of a per-parameter key (the one the unsharded parameter at the
+same position gets, from the optimizer's seed) and each element's index in the
+full parameter (``qstate::flat_index_like``, which DTensor computes shard by
+shard): op by op with ``compile=False``, in the shards' fused kernel with
+``compile=True`` (the C kernel, or with ``c_kernel=False`` the inductor
+kernel). So the shards round independently (as slices of one full-tensor draw)
+and the sharded run equals the unsharded run bit for bit. The step must not
 call ``DTensor.to_local``/``from_local``.
 
-Within noise: with torch's own random stream the unsharded bf16 run rounds the
-first update to the same or the adjacent bfloat16 value.
+Within noise: with another seed the unsharded bf16 run rounds the first update
+to the same or the adjacent bfloat16 value.
 
 All configs of one world size run in one spawned job (spawning dominates the cost).
 """
@@ -123,13 +121,13 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def _optimizer(params, cfg: Config) -> torch.optim.Optimizer:
+def _optimizer(params, cfg: Config, seed: int = SEED) -> torch.optim.Optimizer:
     import qstate.optim
 
     cls = {"AdamW": qstate.optim.AdamW, "Lion": qstate.optim.Lion}[cfg.optimizer]
     return cls(params, lr=LR[cfg.optimizer], betas=(BETA1, BETA2), weight_decay=0.1,
                state_format=cfg.state_format, min_quantize_numel=cfg.min_quantize_numel, compile=cfg.compile,
-               bf16_stochastic_round=cfg.stochastic_round, seed=SEED)
+               bf16_stochastic_round=cfg.stochastic_round, seed=seed)
 
 
 def _sharded(cfg: Config) -> nn.Module:
@@ -161,17 +159,6 @@ def _no_local_tensor_access() -> Iterator[None]:
         yield
     finally:
         DTensor.to_local, DTensor.from_local = to_local, from_local
-
-
-class _PositionalRandom(torch.overrides.TorchFunctionMode):
-    """Plain ``torch.randint_like`` from qstate's positional stream, as DTensors draw it."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from qstate.dtensor_rules import positional_randint_like
-
-        if func is torch.randint_like:
-            return positional_randint_like(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:
@@ -213,11 +200,11 @@ def _train_sharded(cfg: Config) -> Run:
     return Run(losses, model, opt, first)
 
 
-def _train_unsharded(cfg: Config, world_size: int, positional: bool) -> Run:
+def _train_unsharded(cfg: Config, world_size: int, seed: int = SEED) -> Run:
     """The unsharded run, with FSDP2's gradient reduction and mixed precision reproduced (module doc)."""
     master = _model(cfg.param_dtype)  # what the optimizer updates
     compute = copy.deepcopy(master).bfloat16() if cfg.mixed_precision else master
-    opt = _optimizer(master.parameters(), cfg)
+    opt = _optimizer(master.parameters(), cfg, seed)
     losses, first = [], []
     for step in range(STEPS):
         loss = _loss(compute(_batch(step).to(next(compute.parameters()).dtype)))
@@ -226,7 +213,7 @@ def _train_unsharded(cfg: Config, world_size: int, positional: bool) -> Run:
             g, pc.grad = pc.grad, None
             # gloo AVG of world_size identical gradients, in the gradient's dtype
             pm.grad = ((g * world_size) / world_size).to(pm.dtype)
-        with _PositionalRandom() if positional else contextlib.nullcontext(), cpu_kernel_enabled(cfg.c_kernel):
+        with cpu_kernel_enabled(cfg.c_kernel):
             opt.step()
         first = first or _snapshot(master, opt)
         opt.zero_grad()
@@ -287,11 +274,11 @@ def parity_body(rank: int, world_size: int, configs: list[Config]) -> None:
     streams_checked = False
     for cfg in configs:
         run = _train_sharded(cfg)
-        ref = _train_unsharded(cfg, world_size, positional=cfg.stochastic_round)
+        ref = _train_unsharded(cfg, world_size)
         _assert_same_run(run, ref, cfg)
         if cfg.stochastic_round and not streams_checked:  # once per job: two more runs
             _assert_same_run(_train_sharded(cfg), run, cfg)  # same seed, same run
-            _assert_one_ulp_apart(run, _train_unsharded(cfg, world_size, positional=False), cfg)
+            _assert_one_ulp_apart(run, _train_unsharded(cfg, world_size, seed=SEED + 1), cfg)
             streams_checked = True
 
 

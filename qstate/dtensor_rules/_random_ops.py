@@ -46,6 +46,7 @@ from torch.distributed.tensor.placement_types import (
 )
 
 from qstate import _splitmix64 as splitmix64
+from qstate._library import flat_index_like
 from qstate.dtensor_rules import _compat
 from qstate.dtensor_rules._placements import mesh_dims_sharding
 from qstate.dtensor_rules._registry import Rule
@@ -206,17 +207,15 @@ def _local_global_index(
     return index
 
 
-def _fill_local(
+def _shard_index(
     local: torch.Tensor,
-    key: torch.Tensor,
-    sampler: Sampler,
     global_shape: Sequence[int],
     placements: Sequence[Placement],
     mesh_shape: Sequence[int],
     coordinate: Sequence[int],
     orders: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """Per rank: ``local`` (already allocated, output dtype) filled with its values."""
+    """:func:`_local_global_index` for the shard ``local``, checked against its shape."""
     index = _local_global_index(
         global_shape, placements, mesh_shape, coordinate, orders, local.device
     )
@@ -225,10 +224,27 @@ def _fill_local(
             f"local shard {tuple(local.shape)} does not match its placements "
             f"{tuple(placements)} (expected {tuple(index.shape)})"
         )
-    return local.copy_(sampler(mix64(key, index)))
+    return index
+
+
+def _fill_local(
+    local: torch.Tensor,
+    key: torch.Tensor,
+    sampler: Sampler,
+    *layout: Any,
+) -> torch.Tensor:
+    """Per rank: ``local`` (already allocated, output dtype) filled with its values
+    (``layout``: :func:`_shard_index`'s arguments after ``local``)."""
+    return local.copy_(sampler(mix64(key, _shard_index(local, *layout))))
+
+
+def _fill_index(local: torch.Tensor, *layout: Any) -> torch.Tensor:
+    """Per rank: ``local`` (int64) filled with its elements' row-major indices in the full tensor."""
+    return local.copy_(_shard_index(local, *layout))
 
 
 _fill_local_per_rank = _compat.run_per_rank(_fill_local)
+_fill_index_per_rank = _compat.run_per_rank(_fill_index)
 
 
 # ------------------------------------------------------------ placement rule
@@ -267,13 +283,28 @@ def _sample_dtensor(
     memory_format: torch.memory_format | None = None,
 ) -> Any:
     """Fill a new DTensor like ``self`` (or ``out``, in place) with positional values."""
+    key = _draw_key(generator, torch.device(self._spec.mesh.device_type))
+    return _positional_dtensor(self, dtype, _fill_local_per_rank, (key, sampler), out=out,
+                               memory_format=memory_format)
+
+
+def _positional_dtensor(
+    self: Any,
+    dtype: torch.dtype,
+    fill: Callable[..., torch.Tensor],
+    fill_args: tuple,
+    *,
+    out: Any | None = None,
+    memory_format: torch.memory_format | None = None,
+) -> Any:
+    """A new DTensor like ``self`` (or ``out``, in place) whose shards ``fill(local, *fill_args,
+    *layout)`` computes from their place (``Partial`` mesh dims become ``Replicate``)."""
     from torch.distributed.tensor import DTensor
 
     spec: DTensorSpec = self._spec
     mesh = spec.mesh
     placements = random_like_placements(spec.placements)
     orders = [mesh_dims_sharding(spec, d) for d in range(self.ndim)]
-    key = _draw_key(generator, torch.device(mesh.device_type))
     coordinate = mesh.get_coordinate()
     if out is None:
         local = torch.empty_like(
@@ -285,8 +316,8 @@ def _sample_dtensor(
         local = out._local_tensor
     if coordinate is not None:  # ranks outside the mesh hold an empty shard
         # fills ``local`` in place (per simulated rank under LocalTensorMode)
-        local = _fill_local_per_rank(
-            local, key, sampler, tuple(self.shape), placements,
+        local = fill(
+            local, *fill_args, tuple(self.shape), placements,
             tuple(mesh.shape), coordinate, orders,
         )
     if out is not None:
@@ -421,6 +452,12 @@ def random__handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any
     )
 
 
+def flat_index_like_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    self = _bind(op, args, kwargs)["self"]
+    return _positional_dtensor(self, torch.int64, _fill_index_per_rank, (),
+                               memory_format=torch.contiguous_format)
+
+
 randint_like_ops = [
     aten.randint_like.default,
     aten.randint_like.low_dtype,
@@ -468,4 +505,12 @@ RULES: tuple[Rule, ...] = tuple(
     )
     for ops, _ in _HANDLERS
     for op in ops
+) + (
+    Rule(
+        op=flat_index_like,
+        kind="handler",
+        impl=flat_index_like_handler,
+        reason="qstate's flat_index_like: each shard's indices in the full tensor, from its place "
+               "(stochastic rounding's draws on any layout; no collectives)",
+    ),
 )

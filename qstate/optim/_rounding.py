@@ -2,35 +2,40 @@
 
 Stochastic rounding uses plain tensor ops on the value's bit pattern (no
 local-tensor access), so it runs unchanged on plain tensors, inside compiled
-kernels and on DTensors (given sharding rules for ``view(dtype)`` and
-``randint_like``):
+kernels and on DTensors (given sharding rules for ``view(dtype)``, the shift
+operators and ``qstate::flat_index_like``):
 
 ``bits = x.view(int32)``; the low 16 bits are the part bfloat16 drops; with
 ``r`` uniform in ``[0, 2**16)``, round the magnitude up (``(bits & -65536) +
 0x10000``) when ``r < bits & 0xFFFF``, else truncate (``bits & -65536``).
 The result rounds up with probability ``low / 2**16``, so its expected value
 is exactly ``x`` (float32 sign-magnitude bits make this hold for negative
-values too). Random bits come from the default generator of ``x``'s device;
-the optimizer swaps its own saved generator state in around the step.
+values too).
 
-The fused kernels (the CPU C kernel and the compiled inductor kernel) draw
-``r`` instead from a hash of a 64-bit key (one per parameter and update) and
-each element's flat index in the full parameter (:func:`position_draws`, the
-C kernel's ``param_draw``), so both give the same bits, and shards of a
-parameter, updated with their first element's index, draw as the whole
-parameter would.
+Where ``r`` comes from: every path of the optimizers (the CPU C kernel, the
+compiled inductor kernel, the eager math on plain tensors and on DTensors of
+any layout) draws it from a hash of a 64-bit key (one per parameter and
+update) and each element's flat index in the full parameter
+(:func:`position_draws`, the C kernel's ``param_draw``; :func:`key_draws`),
+so all give the same bits for the same float32 value, and shards of a
+parameter draw as the whole parameter would. The optimizer swaps its own
+saved generator state in around the step and draws the keys from it.
+:func:`stochastic_round_bf16` without draws takes ``randint_like`` of the
+default generator of ``x``'s device.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
+from .._library import LIBRARY, flat_index_like
+from .._splitmix64 import as_int64
 from ..formats import lowbias32_int
 
-__all__ = ["position_draws", "stochastic_round_bf16", "store_param"]
+__all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -45,13 +50,28 @@ def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     return rounded.view(torch.float32).bfloat16()
 
 
-def position_draws(key: Tensor, index: Tensor) -> Tensor:
+def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     """16-bit draws (int64 in ``[0, 2**16)``) of the elements at the flat indices ``index`` (int64, >= 0)
-    under the 64-bit ``key`` (an int64 tensor: the key's two's complement): ``lowbias32(lowbias32(lo ^ k_lo)
+    under the 64-bit ``key`` (an int64 tensor or int: the key's two's complement): ``lowbias32(lowbias32(lo ^ k_lo)
     ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
     kernel's ``param_draw``)."""
     inner = lowbias32_int((index & _MASK32) ^ (key & _MASK32))
     return lowbias32_int(inner ^ ((index >> 32) & _MASK32) ^ ((key >> 32) & _MASK32)) >> 16
+
+
+def key_draws(key: int, p: Tensor) -> Tensor:
+    """:func:`position_draws` of ``p``'s elements (a plain tensor or a DTensor of any layout: each element
+    by its index in the full tensor, ``qstate::flat_index_like``) under the 64-bit ``key`` (a Python int in
+    ``[0, 2**64)``), in ``p``'s shape."""
+    return position_draws(as_int64(key), flat_index_like(p))
+
+
+def _flat_index(self: Tensor) -> Tensor:
+    """``qstate::flat_index_like``'s kernel: a plain tensor's elements' row-major indices."""
+    return torch.arange(self.numel(), dtype=torch.int64, device=self.device).view(self.shape)
+
+
+LIBRARY.impl("flat_index_like", _flat_index, "CompositeExplicitAutograd")
 
 
 def store_param(p: Tensor, value: Tensor, stochastic_round: bool, draws: Optional[Tensor] = None) -> None:

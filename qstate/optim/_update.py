@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ._rounding import store_param
+from ._rounding import key_draws, store_param
 from ._rules import UpdateRule
 
 __all__ = ["update_eagerly"]
 
 
 def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict,
-                   stochastic_round: bool) -> None:
+                   stochastic_round: bool, key: Optional[int] = None) -> None:
     """Update ``p`` and ``states`` in place with out-of-place math, then ``copy_`` back.
 
     States are read with out-of-place math (quantized ones give plain float32
     values, a plain low-precision state is read as float32) and written with
     ``state.copy_(new)``, which requantizes a quantized state in its own layout.
+    A bfloat16 ``p`` rounding stochastically draws by place under ``key``
+    (the fused kernels' draws, :func:`~._rounding.key_draws`; plain tensors
+    and DTensors alike), or without one from the default generator.
     """
     p32 = p if p.dtype == torch.float32 else p.float()
     g32 = g if g.dtype == torch.float32 else g.float()
@@ -27,4 +30,5 @@ def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: 
     p_new, new = rule.math(p32, g32, readable, h, flags)
     for x, value in zip(states, new):
         x.copy_(value)
-    store_param(p, p_new, stochastic_round and p.dtype == torch.bfloat16)
+    sr = stochastic_round and p.dtype == torch.bfloat16
+    store_param(p, p_new, sr, key_draws(key, p) if sr and key is not None else None)

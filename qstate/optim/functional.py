@@ -39,7 +39,10 @@ Paths
   of ranks.
 * otherwise (``compile=False``, stochastic rounding on DTensors elsewhere
   (other placements, simulated ranks), other layouts, mixed devices,
-  views): the same math eagerly, op by op. States are read with out-of-place math (plain
+  views): the same math eagerly, op by op. A bf16 parameter rounds
+  stochastically with the fused kernels' draws (its key, each element's
+  index in the full parameter: ``qstate::flat_index_like``, which DTensor
+  computes shard by shard for any layout), so every path draws alike. States are read with out-of-place math (plain
   results) and written back with ``state.copy_(new)``, which requantizes a
   quantized state in place into its own layout. Nothing here touches a
   state's inner tensors or a DTensor's local tensor, so each op dispatches
@@ -226,8 +229,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
                           key=keys(i) if found[0].sr else 0)
                 continue
         ready.before(p)
-        if not compile:
-            update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr)
+        if not compile:  # stochastic rounding draws as the fused kernels would (any layout)
+            update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr, keys(i) if sr else None)
         elif dtensor:
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
             # compiled (or C) kernel, or for small plain states the C kernel does not take the
@@ -237,11 +240,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # With stochastic rounding where the shards run a fused kernel, whose draws follow each
             # element's place in the full parameter (sr_keys: the keys a plain parameter gets, so the
             # update is the unsharded one's on any number of ranks); elsewhere the op-by-op path draws
-            # from the DTensor rules' positional stream (a local stream would repeat on every shard).
+            # the same way (qstate::flat_index_like gives each shard its elements' global indices).
             st = list(st)
             if (not (is_dtensor(g) and all(is_dtensor(x) for x in st))
                     or (sr and not _shards_draw_by_place(rule, static, p, g, st))):
-                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
                 continue
             small, _ = _small_eager(rule, static, p, g, st, sr)
             key = (small, step, p.device, sr)
@@ -256,8 +259,8 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         try:
             batch.run()
         except LayoutMismatch:  # raised before anything was written: the op takes the others
-            for p, g, st in batch.drop(lambda p, g, st: layout_mismatch(p, g, st) is not None):
-                update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr)
+            for p, g, st, key in batch.drop(lambda p, g, st: layout_mismatch(p, g, st) is not None):
+                update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
 
 
@@ -285,7 +288,7 @@ def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None
         else:
             run_fused(spec, p, g, st, scalars.hyper(step, p.device), key() if sr else None)
     else:
-        update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr)
+        update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key() if sr else None)
 
 
 class _Batch:
@@ -310,15 +313,16 @@ class _Batch:
         self.states.extend(states)
         self.keys.append(key)
 
-    def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor]]]:
-        """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them."""
+    def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor], Optional[int]]]:
+        """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them with
+        their keys."""
         n = len(self.states) // len(self.params)
         members = [(p, g, self.states[i * n:(i + 1) * n], key)
                    for i, (p, g, key) in enumerate(zip(self.params, self.grads, self.keys))]
         self.params, self.grads, self.states, self.keys, dropped = [], [], [], [], []
         for p, g, st, key in members:
             if which(p, g, st):
-                dropped.append((p, g, st))
+                dropped.append((p, g, st, key))
             else:
                 self.add(p, g, st, key)
         return dropped
