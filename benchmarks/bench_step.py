@@ -15,8 +15,8 @@ With ``--device cuda`` parameters, gradients and states live on the GPU, each
 timed step ends with ``torch.cuda.synchronize()``, and the compiled step is
 inductor's Triton kernel (no "compiled, inductor" rows: the C kernel is CPU-only).
 
-    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--weights 1] [--only fused,8bit] [--skip inductor] [--out DIR]
-                                    [--device cpu|cuda]
+    python benchmarks/bench_step.py [--sizes 1M,16M,64M] [--repeats 5] [--weights 1] [--only fused,8bit]
+                                    [--skip inductor] [--out DIR] [--device cpu|cuda]
 
 Writes ``DIR/bench_step.json`` and, when matplotlib imports
 (``pip install -e ".[bench]"``), ``DIR/bench_step.png``.
@@ -197,8 +197,8 @@ def main() -> None:
     makers = {k: v for k, v in makers.items() if k == BASELINE or not any(o in k for o in skip)}
     for note in notes:
         print(note)
-    results = {"env": environment(), "device": args.device, "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
-               "notes": notes, "sizes": {}}
+    results = {"env": environment(), "device": args.device, "command": " ".join(["python"] + sys.argv),
+               "repeats": args.repeats, "notes": notes, "sizes": {}}
     env = results["env"]
     print(f"{env['cpu']}, {env['threads']} threads, C kernel vector paths: {env['kernel_vector_paths']}")
     if args.device != "cpu":

@@ -9,7 +9,8 @@ replacements as data:
 * :mod:`._view_ops`    ``aten.view.dtype``
 * :mod:`._random_ops`  ``randint_like`` / ``rand_like`` / ``random_``: values are
   a hash of (seed, global element index), so shards are independent,
-  reproducible and layout-invariant
+  reproducible and layout-invariant; and ``qstate::flat_index_like`` (each
+  shard's global element indices, which stochastic rounding hashes)
 * :mod:`._partial_ops` ``fill_``, ``copy_`` and integer ``add``/``sub`` on
   ``Partial`` inputs
 * :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),

@@ -19,7 +19,10 @@ argument, else the default generator of the mesh's device).  Hence:
 
 The placement rule is :func:`random_like_strategy` (values never depend on the
 input's values: ``Partial -> Replicate``, shards stay); the values come from the
-handlers registered in ``OpDispatcher._custom_op_handlers``.
+handlers registered in ``OpDispatcher._custom_op_handlers``. The same index
+arithmetic serves ``qstate::flat_index_like`` (:func:`flat_index_like_handler`):
+each shard's elements' row-major indices in the full tensor, with no key and no
+draw, which the optimizers' stochastic rounding hashes with its own keys.
 """
 
 from __future__ import annotations
