@@ -35,8 +35,8 @@ on whether the update runs now (:func:`run`) or is queued
 run continues the same stream. The inductor kernel draws the same bits from the same key
 (:func:`qstate.optim._rounding.position_draws`), and so does the op-by-op path (plain tensors and
 DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
-tensor (:func:`run`'s ``start`` for a DTensor shard). ``cpu_kernel_enabled(False)`` turns the C kernel off for a block of code (tests and
-benchmarks compare the two kernels).
+tensor (:func:`run`'s ``start`` for a DTensor shard). ``cpu_kernel_enabled(False)`` turns the C kernel
+off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
 (the loaded kernel, the states' ``qstate_t`` slots, the layout) that later

@@ -242,11 +242,12 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # update is the unsharded one's on any number of ranks); elsewhere the op-by-op path draws
             # the same way (qstate::flat_index_like gives each shard its elements' global indices).
             st = list(st)
-            if (not (is_dtensor(g) and all(is_dtensor(x) for x in st))
-                    or (sr and not _shards_draw_by_place(rule, static, p, g, st))):
+            all_dtensors = is_dtensor(g) and all(is_dtensor(x) for x in st)
+            # small: from the global size, the same choice on every rank
+            small = all_dtensors and _small_eager(rule, static, p, g, st, sr)[0]
+            if not all_dtensors or (sr and (small or not _shards_draw_by_place(p, g, st))):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
                 continue
-            small, _ = _small_eager(rule, static, p, g, st, sr)
             key = (small, step, p.device, sr)
             batch = batches.get(key)
             if batch is None:
@@ -264,17 +265,15 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             batch.run()
 
 
-def _shards_draw_by_place(rule, static, p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
-    """Whether the stochastically rounding update of the DTensor ``p`` runs a fused kernel (the C or
-    the inductor kernel, which draw by each element's place) on its shards through the op with
-    ``sr_keys``: each shard is one range of the flat parameter (:func:`flat_start`), the local shards
+def _shards_draw_by_place(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
+    """Whether the stochastically rounding update of the DTensor ``p`` (of a kind that does not run
+    small plain states op by op: the caller checks, from the global size) can run a fused kernel (the C
+    or the inductor kernel, which draw by each element's place) on its shards through the op with
+    ``sr_keys``: each shard is one range of the flat parameter (:func:`flat_start`), and the local shards
     are plain tensors or ``QuantizedState`` (not a simulated rank's ``LocalTensor``: :func:`shards_of`)
-    and fusable, and the kind is not one that runs small plain states op by op."""
+    and fusable."""
     shards = shards_of(p, g, st)
-    if shards is None or flat_start(p) is None:
-        return False
-    # small: from the global size, the same choice on every rank (as the op's batches make it)
-    return not _small_eager(rule, static, p, g, st, True)[0] and fusable(*shards)
+    return shards is not None and flat_start(p) is not None and fusable(*shards)
 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
