@@ -7,7 +7,8 @@ with FakeTensors: the FSDP2 + CPUOffloadPolicy + compiled 8-bit step with a
 CUDA ``lr`` tensor (the field's "two different devices" crash), gradient
 scaling with CPU-offloaded gradients and a CUDA scale, the compiled kernels
 on CUDA against eager, bf16 stochastic rounding on CUDA DTensor shards (the
-inductor kernel's draws by place), and loading CPU-saved states onto CUDA.
+inductor kernel's draws by place), prepared inductor-kernel calls against the
+full path, and loading CPU-saved states onto CUDA.
 """
 
 from __future__ import annotations
@@ -134,6 +135,32 @@ def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
     assert torch.equal(*runs)
 
 
+def check_prepared_calls_equal_the_full_path_on_cuda() -> None:
+    # later steps reuse each parameter's prepared inductor call (argument views, padded copies refreshed
+    # for rows that are not whole blocks, a new stochastic-rounding place each step): the same bits as
+    # steps that forget every prepared call and rebuild the arguments
+    from qstate.optim import _prepared
+
+    for fmt, dtype in (("8bit", torch.bfloat16), ("4bit", torch.float32)):
+        runs = []
+        for reuse in (True, False):
+            torch.manual_seed(0)
+            ps = [nn.Parameter(torch.randn(s, device="cuda").to(dtype)) for s in ((65, 257), (64, 512), (33, 71))]
+            opt = qstate.optim.AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=0, bf16_stochastic_round=True,
+                                     seed=3)
+            for step in range(3):
+                for p in ps:
+                    gen = torch.Generator("cuda").manual_seed(step)
+                    p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
+                if not reuse:
+                    _prepared.clear_prepared_calls()
+                opt.step()
+            runs.append([p.detach() for p in ps] + [t for p in ps for n in ("exp_avg", "exp_avg_sq")
+                                                    for t in (opt.state[p][n].codes, opt.state[p][n].scale)])
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), fmt
+
+
 def check_cpu_saved_state_loads_on_cuda() -> None:
     q = qstate.quantize(torch.randn(300, 70), "4bit", signed=False)
     buf = io.BytesIO()
@@ -155,7 +182,7 @@ def main() -> None:
     torch.cuda.set_device(0)
     checks = [check_offload_compiled_step_with_cuda_lr, check_grad_scaler_with_offloaded_grads,
               check_compiled_kernels_equal_eager_on_cuda, check_bf16_stochastic_rounding_on_cuda_shards,
-              check_cpu_saved_state_loads_on_cuda]
+              check_prepared_calls_equal_the_full_path_on_cuda, check_cpu_saved_state_loads_on_cuda]
     failed = []
     try:
         for check in checks:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import _cpu_kernel, cpu_kernel_enabled
+from qstate.optim import _cpu_kernel, _prepared, cpu_kernel_enabled
 from qstate.optim import functional as F
 from qstate.optim._kernels import KernelSpec, state_entry
 
@@ -357,11 +357,11 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
         ref_ps = [p.float() for p in ps]
         ref_states = [[s.clone() for s in group] for group in states]
         _adamw_8bit(ref_ps, [g.float() for g in gs], ref_states, step)  # float32: nothing to round
-        calls = _cpu_kernel.prepared_calls()
+        calls = _prepared.prepared_calls()
         torch.manual_seed(step)
         F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                 compile=True, grad_scale=torch.tensor(4.0), stochastic_round=True)
-        assert _cpu_kernel.prepared_calls() == calls + (len(ps) if step == 1 else 0)
+        assert _prepared.prepared_calls() == calls + (len(ps) if step == 1 else 0)
         torch.manual_seed(step)
         keys = _cpu_kernel.ParamKeys()
         keys = [keys(i) for i in range(len(ps))]

@@ -1,4 +1,5 @@
-"""Prepared C-kernel calls (``qstate/optim/_cpu_kernel.py``, ``PreparedCall``): a later step reuses its
+"""Prepared calls (``qstate/optim/_prepared.py``): of the C kernel (``_cpu_kernel.PreparedCall``) and of the
+compiled inductor kernel (``_kernels.PreparedKernelCall``). A later step reuses its
 parameter's call only while everything the call relies on is unchanged, and gives exactly what the
 full path gives (the reference: the same optimizer on equal parameters, its steps run with no
 prepared call found)."""
@@ -14,7 +15,7 @@ import torch
 
 import qstate
 
-from qstate.optim import AdamW, _cpu_kernel, cpu_kernel_enabled
+from qstate.optim import AdamW, _cpu_kernel, _kernels, _prepared, cpu_kernel_enabled
 
 
 def _model() -> list[torch.nn.Parameter]:
@@ -29,13 +30,13 @@ def _grads(step: int) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _full_path():
-    """Within the block no prepared call is found: every C-kernel update takes the full path."""
-    found = _cpu_kernel.prepared
-    _cpu_kernel.prepared = lambda *args: None
+    """Within the block no prepared call is found: every fused update takes the full path."""
+    found = _prepared.prepared
+    _prepared.prepared = lambda *args: None
     try:
         yield
     finally:
-        _cpu_kernel.prepared = found
+        _prepared.prepared = found
 
 
 class _Twin:
@@ -66,9 +67,18 @@ class _Twin:
                     assert torch.equal(s, r), name
 
 
+@pytest.fixture(params=["c", "inductor"])
+def kernel(request) -> str:
+    """The fused kernel the test's updates run: the C kernel, or (the C kernel off) the compiled inductor
+    kernel, which runs the small plain-state bias op by op (``functional.SMALL_PLAIN_NUMEL``)."""
+    with cpu_kernel_enabled(request.param == "c"):
+        yield request.param
+
+
 @pytest.fixture
 def full_path_calls(monkeypatch) -> list:
-    """The parameters each full-path C-kernel call (``_cpu_kernel.run``) updated, in order."""
+    """The parameters each full-path fused call (``_cpu_kernel.run``, or a new ``PreparedKernelCall``)
+    updated, in order."""
     calls: list = []
     run = _cpu_kernel.run
 
@@ -76,18 +86,26 @@ def full_path_calls(monkeypatch) -> list:
         calls.append(p)
         run(spec, p, g, states, hyper, key)
 
+    class Counting(_kernels.PreparedKernelCall):
+        __slots__ = ()
+
+        def __init__(self, spec, p, *args):
+            calls.append(p)
+            super().__init__(spec, p, *args)
+
     monkeypatch.setattr(_cpu_kernel, "run", counting)
+    monkeypatch.setattr(_kernels, "PreparedKernelCall", Counting)
     return calls
 
 
-def test_later_steps_reuse_the_call_and_give_the_full_paths_results(full_path_calls):
+def test_later_steps_reuse_the_call_and_give_the_full_paths_results(kernel, full_path_calls):
     twin = _Twin()
     for step in range(3):
         twin.step(step)
         twin.assert_equal()
-    # the first step of each parameter, then only the reference's
+    # the first step of each parameter the kernel updates (the C kernel: both), then only the reference's
     ours = [p for p in full_path_calls if any(p is q for q in twin.ps)]
-    assert len(ours) == 2
+    assert len(ours) == (2 if kernel == "c" else 1)
 
 
 def _new_grad_dtype(twin):
@@ -103,7 +121,7 @@ def _strided_grad(twin):  # same shape, not contiguous: the eager math runs inst
 
 @pytest.mark.parametrize("change", ["grad dtype", "strided grad", "param storage", "state codes", "map version",
                                     "loaded state"])
-def test_a_change_takes_the_full_path(change, full_path_calls):
+def test_a_change_takes_the_full_path(change, kernel, full_path_calls):
     twin = _Twin()
     twin.step(0)
     grads = None
@@ -149,31 +167,35 @@ def test_two_optimizers_over_one_parameter_keep_their_own_calls():
                 ref.step()
             assert all(torch.equal(p, q) for p, q in zip(ps, ref_ps))
     # per parameter one call of each optimizer (the references' replace each other)
-    assert sum(1 for c in _cpu_kernel._PREPARED.values() if any(c.param() is p for p in ps)) == 2 * len(ps)
+    assert sum(1 for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)) == 2 * len(ps)
 
 
-def test_calls_leave_with_their_parameters_and_states():
+def test_calls_leave_with_their_parameters_and_states(kernel):
     gc.collect()
-    _cpu_kernel.clear_prepared_calls()
+    _prepared.clear_prepared_calls()
     twin = _Twin()
     twin.step(0)
     opt, ps = twin.opt, twin.ps
-    assert _cpu_kernel.prepared_calls() == 4  # the reference's too
-    p = ps[1]
+    per_model = 2 if kernel == "c" else 1  # the inductor kernel leaves the small bias to the eager math
+    assert _prepared.prepared_calls() == 2 * per_model  # the reference's too
+    p = ps[0]
     kind = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
     states = [opt.state[p][n] for n in ("exp_avg", "exp_avg_sq")]
-    assert _cpu_kernel.prepared(kind, p, p.grad, states) is not None
-    with cpu_kernel_enabled(False):
-        assert _cpu_kernel.prepared(kind, p, p.grad, states) is None
+    assert _prepared.prepared(kind, p, p.grad, states) is not None
+    with cpu_kernel_enabled(kernel != "c"):  # the other kernel would run this update: the call is not valid
+        assert _prepared.prepared(kind, p, p.grad, states) is None
+    opt.state[p]["exp_avg_sq"] = states.pop().clone()  # a state other than the first dies: its call goes
+    gc.collect()
+    assert _prepared.prepared_calls() == 2 * per_model - 1
     opt.state.clear()  # the next step makes new states: the old calls go with the old ones
     del states
     gc.collect()
-    assert _cpu_kernel.prepared_calls() == 2
+    assert _prepared.prepared_calls() == per_model
     twin.step(1)
-    assert _cpu_kernel.prepared_calls() == 4
+    assert _prepared.prepared_calls() == 2 * per_model
     del twin, opt, ps, p
     gc.collect()
-    assert _cpu_kernel.prepared_calls() == 0
+    assert _prepared.prepared_calls() == 0
 
 
 def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
@@ -182,8 +204,8 @@ def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
     import sys
 
     gc.collect()
-    _cpu_kernel.clear_prepared_calls()
-    registry = _cpu_kernel._PREPARED
+    _prepared.clear_prepared_calls()
+    registry = _prepared._PREPARED
     p = torch.nn.Parameter(torch.randn(8, 640))
     p.grad = torch.randn(8, 640)
     opt = AdamW([p], lr=1e-3, state_format="8bit")
@@ -191,7 +213,7 @@ def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
     assert len(registry) == 1
     raised: list = []
     monkeypatch.setattr(sys, "unraisablehook", raised.append)
-    monkeypatch.setattr(_cpu_kernel, "_PREPARED", None)
+    monkeypatch.setattr(_prepared, "_PREPARED", None)
     del p, opt
     gc.collect()
     assert raised == [] and len(registry) == 0
@@ -277,9 +299,13 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
     monkeypatch.setattr(_cpu_kernel, "run_prepared", lambda calls, ps, gs, hyper, keys: ran.append(len(calls)))
 
     class Call:
-        kernel, sr = 1, False
+        group, sr = ("c", 1), False
 
-    pending = _cpu_kernel.PendingCalls()
+        @staticmethod
+        def run_group(calls, ps, gs, hyper, keys):
+            _cpu_kernel.run_prepared(calls, ps, gs, hyper, keys)
+
+    pending = _prepared.PendingCalls()
     shard, owner, other = torch.zeros(1), torch.zeros(1), torch.zeros(1)
     pending.add(Call(), shard, shard, 0, (1.0,), owner=owner)
     pending.before(other)
@@ -290,7 +316,7 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
     assert ran == [1]
 
 
-def test_a_grouped_call_bumps_every_parameters_version():
+def test_a_grouped_call_bumps_every_parameters_version(kernel):
     # the kernel writes through raw pointers: autograd must still see each in-place update
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64, 1024)) for _ in range(3)]
@@ -301,3 +327,35 @@ def test_a_grouped_call_bumps_every_parameters_version():
     before = [p._version for p in ps]
     opt.step()  # one grouped call
     assert [p._version for p in ps] == [v + 1 for v in before]
+
+
+@pytest.mark.parametrize("fmt, dtype", [("8bit", torch.bfloat16), ("4bit", torch.float32)])
+def test_inductor_calls_over_padded_and_odd_rows_give_the_full_paths_results(fmt, dtype):
+    # the inductor kernel's prepared calls keep padded block-space copies (rows not a whole number of
+    # blocks), refreshed before each reuse, an odd 4-bit row's last nibble, and a bf16 parameter's
+    # stochastic-rounding place (a new key each step): equal to steps that rebuild every argument
+    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100)]
+    runs = []
+    with cpu_kernel_enabled(False):
+        for reuse in (True, False):
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+            opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512,
+                        bf16_stochastic_round=True, seed=3)
+            for step in range(3):
+                gen = torch.Generator().manual_seed(step)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                with contextlib.nullcontext() if reuse else _full_path():
+                    opt.step()
+            if reuse:
+                calls = [c for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)]
+                assert len(calls) == len(ps) and all(type(c) is _kernels.PreparedKernelCall for c in calls)
+            runs.append((ps, opt))
+    (ps, opt), (ref_ps, ref) = runs
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+        for name, s in opt.state[p].items():
+            r = ref.state[q][name]
+            if name != "step":
+                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name

@@ -11,7 +11,7 @@ call the handler themselves (:func:`call_fused_update`).
 
 The optimizers reach the handler without DTensor's dispatcher where nothing
 could intercept the op (:func:`handler_is_reached`), and on later steps run a
-shard's prepared C-kernel call where the handler would run exactly that
+shard's prepared call (C or inductor kernel) where the handler would run exactly that
 (:func:`shards_of`); under any dispatch or function mode they call the op.
 """
 

@@ -31,7 +31,7 @@ optimizer seeds from ``(seed, group, step)``, and the parameter's position in
 the call) and each element's flat index (csrc: ``param_draw``), then applies
 :mod:`qstate.optim._rounding`'s rule. A key depends on the position only, not
 on whether the update runs now (:func:`run`) or is queued
-(:meth:`PendingCalls.add`), so batching never changes the draws and a resumed
+(:meth:`._prepared.PendingCalls.add`), so batching never changes the draws and a resumed
 run continues the same stream. The inductor kernel draws the same bits from the same key
 (:func:`qstate.optim._rounding.position_draws`), and so does the op-by-op path (plain tensors and
 DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
@@ -40,17 +40,13 @@ off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
 (the loaded kernel, the states' ``qstate_t`` slots, the layout) that later
-steps reuse through :func:`prepared` after a few identity and pointer checks,
-instead of re-deriving the kind and re-checking every state (0.02-0.03 ms
-per parameter when the interpreter's caches are warm, several times that
-after the optimizer's data swept them: 0.18-0.2 ms of a 1M-parameter 8bit
-AdamW step timed between other optimizers' steps). A call is valid while the
-parameter object and its storage, the state objects and their buffers and
-maps, and the gradient's dtype, shape, contiguity and device are those it was
-prepared for (any change re-runs the full path). Calls are keyed by the
-parameter and its first state (two optimizers over one parameter keep one
-each); the registry holds weak references only, and an entry leaves it with
-its parameter or first state (:func:`prepared_calls`, :func:`clear_prepared_calls`).
+steps reuse through :func:`._prepared.prepared` after a few identity and
+pointer checks (validity and registry: :mod:`._prepared`), instead of
+re-deriving the kind and re-checking every state (0.02-0.03 ms per parameter
+when the interpreter's caches are warm, several times that after the
+optimizer's data swept them: 0.18-0.2 ms of a 1M-parameter 8bit AdamW step
+timed between other optimizers' steps). Valid calls of one kernel in a step
+run as one C call (:func:`run_prepared`).
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import weakref
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -76,9 +71,10 @@ from .. import _splitmix64 as splitmix64
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
+from ._prepared import PreparedUpdate
 
-__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "PendingCalls", "prepared",
-           "run_prepared", "prepared_calls", "clear_prepared_calls", "ParamKeys", "param_key"]
+__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
+           "param_key"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
@@ -436,79 +432,43 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     arr, rows, row_len = state_slots(spec, p, states, tables)
     call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len, start)
     call(p, g, hyper, (param_key() if key is None else key) if call.sr else 0)
-    _PREPARED[_key(p, states)] = call
+    call.register()
 
 
-def _buffers(states: Sequence[Tensor]) -> tuple[int, ...]:
-    """The data pointers the kernel's slots hold for ``states`` (codes and scales, or plain values)."""
-    out: list[int] = []
-    for s in states:
-        if type(s) is Tensor:
-            out.append(s.data_ptr())
-        else:
-            out += (s.codes.data_ptr(), s.scale.data_ptr())
-    return tuple(out)
+class PreparedCall(PreparedUpdate):
+    """One parameter's C-kernel update, ready to run again (:mod:`._prepared`): the kernel function and
+    the states' ``qstate_t`` slots (raw pointers into the states' buffers, which :meth:`valid` checks)."""
 
-
-class PreparedCall:
-    """One parameter's C-kernel update, ready to run again (module docstring, "Prepared calls").
-
-    Holds the kernel function, the states' ``qstate_t`` slots (raw pointers into the states'
-    buffers) and what they were derived from; :meth:`valid` checks that a new call's tensors are
-    still those, by identity and data pointer, before the slots are trusted again.
-    """
-
-    __slots__ = ("kind", "sr", "fn", "many", "kernel", "slots", "rows", "row_len", "numel", "start", "param", "states",
-                 "p_ptr", "p_dtype", "g_dtype", "g_shape", "buffers", "maps")
+    __slots__ = ("fn", "many", "kernel", "slots", "rows", "row_len", "numel")
 
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
                  rows: int, row_len: int, start: int = 0):
-        #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
-        self.kind = (spec.rule, spec.flags, spec.stochastic_round)
-        #: whether each call takes a stochastic-rounding key (:class:`ParamKeys`)
-        self.sr = spec.param_sr
+        super().__init__(spec, p, g, states, start)
         #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
-        #: the flat index of ``p``'s first element in its full tensor (:func:`run`'s ``start``)
-        self.start = start
-        key = _key(p, states)
-        # when the parameter or the first state dies; the registry is bound, not looked up: at interpreter
-        # exit the callback may run after this module's globals are gone
-        forget = functools.partial(_forget, _PREPARED, key, self)
-        self.param = weakref.ref(p, forget)
-        self.states = tuple(weakref.ref(s, forget if i == 0 else None) for i, s in enumerate(states))
-        self.p_ptr, self.p_dtype = p.data_ptr(), p.dtype
-        self.g_dtype, self.g_shape = g.dtype, g.shape
-        self.buffers = _buffers(states)
-        #: each quantized state's map and its version (an in-place write changes the decode)
-        self.maps = tuple((s.qmap, s.qmap._version) for s in states if type(s) is not Tensor and s.qmap is not None)
 
     def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would."""
-        if kind != self.kind or len(states) != len(self.states) or not _ENABLED[0]:
-            return False
-        for ref, s in zip(self.states, states):
-            if ref() is not s:
-                return False
-        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or not p.is_contiguous():
-            return False
-        if type(g) is not Tensor or g.dtype is not self.g_dtype or g.shape != self.g_shape:
-            return False
-        if not g.is_contiguous() or not g.is_cpu:
-            return False
-        for qmap, version in self.maps:
-            if qmap._version != version:
-                return False
-        return _buffers(states) == self.buffers
+        return _ENABLED[0] and super().valid(kind, p, g, states)
+
+    @property
+    def group(self) -> tuple:
+        return ("c", self.kernel)
+
+    def scalars_of(self, scalars, step: int) -> tuple[float, ...]:
+        return scalars.host(step)
 
     def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
         """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
         self.fn(self.p_ptr, g.data_ptr(), self.slots, _hyper_arg(hyper), self.rows, self.row_len,
                 _threads(self.numel), key, self.start)
         torch.autograd.graph.increment_version(p)
+
+    @classmethod
+    def run_group(cls, calls, params, grads, hyper, keys) -> None:
+        run_prepared(calls, params, grads, hyper, keys)
 
 
 def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads: Sequence[Tensor],
@@ -535,77 +495,3 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
     torch.autograd.graph.increment_version(params)
 
 
-class PendingCalls:
-    """Valid prepared calls collected over a step and run together (:func:`run_prepared`), one C call
-    per kernel and caller's group (the step: the scalars); a parameter added twice runs twice, in order."""
-
-    def __init__(self):
-        self.groups: dict[tuple, tuple[Union[Tensor, Sequence[float]], list, list, list, list]] = {}
-        self.params: set[int] = set()
-
-    def before(self, p: Tensor) -> None:
-        """Run the queue if it updates ``p``: an update of ``p`` outside it comes next."""
-        if id(p) in self.params:
-            self.run()
-
-    def add(self, call: PreparedCall, p: Tensor, g: Tensor, group, hyper: Union[Tensor, Sequence[float]],
-            owner: Optional[Tensor] = None, key: int = 0) -> None:
-        """Queue ``call`` of ``p`` with ``g``, the scalars ``hyper`` of the caller's ``group`` and, for a
-        stochastically rounding call, its ``key`` (:class:`ParamKeys`).
-
-        ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
-        whose updates outside the queue (:meth:`before`) must also wait for this one."""
-        self.before(p)
-        self.params.add(id(p))
-        if owner is not None:
-            self.before(owner)
-            self.params.add(id(owner))
-        _, calls, ps, gs, keys = self.groups.setdefault((call.kernel, group), (hyper, [], [], [], []))
-        calls.append(call)
-        ps.append(p)
-        gs.append(g)
-        keys.append(key)
-
-    def run(self) -> None:
-        for hyper, calls, ps, gs, keys in self.groups.values():
-            run_prepared(calls, ps, gs, hyper, keys)
-        self.groups.clear()
-        self.params.clear()
-
-
-#: (id(parameter), id(first state)) -> PreparedCall (weakly held tensors; an entry leaves with either)
-_PREPARED: dict[tuple[int, int], PreparedCall] = {}
-
-
-def _key(p: Tensor, states: Sequence[Tensor]) -> tuple[int, int]:
-    """A prepared call's registry key: the parameter and its first state (several optimizers may
-    update one parameter, each with its own states)."""
-    return id(p), id(states[0]) if states else 0
-
-
-def _forget(registry: dict, key: tuple[int, int], call: PreparedCall, _ref: weakref.ref) -> None:
-    """The parameter or first state of ``call`` died: drop its entry (unless a newer call owns the key)."""
-    if registry.get(key) is call:
-        del registry[key]
-
-
-def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
-             start: Optional[int] = None) -> Optional[PreparedCall]:
-    """``p``'s :class:`PreparedCall`, if it is still valid for this update (``kind``: the rule's name,
-    its sorted static flags and stochastic rounding; ``start``, where given: :func:`run`'s), else ``None``
-    (take the full path)."""
-    call = _PREPARED.get(_key(p, states))
-    if call is not None and call.param() is p and call.valid(kind, p, g, states):
-        if start is None or call.start == start:
-            return call
-    return None
-
-
-def prepared_calls() -> int:
-    """How many prepared calls the registry holds."""
-    return len(_PREPARED)
-
-
-def clear_prepared_calls() -> None:
-    """Forget every prepared call (the next update of each parameter takes the full path)."""
-    _PREPARED.clear()

@@ -6,8 +6,9 @@ fused kernel, with ``sr_keys``, see :mod:`qstate._library`); DTensor's handler f
 (:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
 shares its parameter's layout (else ``LayoutMismatch``, before any write) and
 runs it on every shard, so the step code never unwraps a DTensor and issues
-no collectives. A later step whose shard has a valid prepared C-kernel call,
-where the handler would run the shard kernel on that shard, queues the call
+no collectives. A later step whose shard has a valid prepared call (C or
+inductor kernel, :mod:`._prepared`), where the handler would run the shard
+kernel on that shard, queues the call
 without the op (:func:`prepared_shard_call`): what the op would run, bit for
 bit. On the shard:
 
@@ -17,7 +18,7 @@ bit. On the shard:
 
 Both run :func:`~qstate.optim._kernels.run_fused` (one compiled graph per
 kernel kind, as for local tensors) when the shard is fusable, or the shard's
-prepared C-kernel call where it has a valid one (queued: one call per
+prepared call where it has a valid one (queued: one group per
 kernel, as for local tensors), else the same rule math op by op; calls built by :func:`eager_call` (small plain states)
 always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
 registered by :func:`call_key` (rule, static flags, stochastic rounding,
@@ -39,6 +40,8 @@ from ..dtensor_rules._fused_ops import shards_of
 from ..ops import register
 from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_fused
+from . import _prepared
+from ._prepared import PendingCalls, PreparedUpdate
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
@@ -58,7 +61,7 @@ class FusedCall:
 
     @property
     def prepared_kind(self) -> tuple:
-        """The kind a prepared C-kernel call is checked against (``_cpu_kernel.prepared``)."""
+        """The kind a prepared call is checked against (``_prepared.prepared``)."""
         return (self.rule, self.flags, self.stochastic_round)
 
 
@@ -105,7 +108,8 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
 
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
-    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are.
+    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are
+(a prepared inductor-kernel call makes a CPU tensor of them).
     With ``sr_keys`` every parameter must run a fused kernel, whose draws follow the key and each
     element's place in the full tensor; one that would not raises before it is written."""
     n = states_per_param(params, grads, states)
@@ -116,16 +120,16 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
                              f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
         for i, (param, grad) in enumerate(zip(params, grads)):
             _check_sr_keys_shard(call, param, grad, list(states[i * n:(i + 1) * n]), i)
-    pending = _cpu_kernel.PendingCalls()  # shards whose C-kernel call is prepared: one call per kernel
+    pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
     as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
         key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
         start = starts[i] if starts else 0
-        prepared = None if call.eager else _cpu_kernel.prepared(call.prepared_kind, param, grad, shard_states, start)
-        if prepared is not None:
-            sr_key = (_cpu_kernel.param_key() if key is None else key) if prepared.sr else 0
-            pending.add(prepared, param, grad, None, hyper, key=sr_key)
+        found = None if call.eager else _prepared.prepared(call.prepared_kind, param, grad, shard_states, start)
+        if found is not None:
+            sr_key = (_cpu_kernel.param_key() if key is None else key) if found.sr else 0
+            pending.add(found, param, grad, None, hyper, key=sr_key)
         else:
             pending.before(param)
             if as_tensor is None:
@@ -135,22 +139,22 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
 
 
 def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
-                        states: Sequence[Tensor]) -> Optional[tuple[_cpu_kernel.PreparedCall, Tensor, Tensor]]:
+                        states: Sequence[Tensor]) -> Optional[tuple[PreparedUpdate, Tensor, Tensor]]:
     """A DTensor parameter's update as the op would run it, without the op: its shard's valid
-    prepared C-kernel call (``kind``: :attr:`FusedCall.prepared_kind`), with the shard's parameter
+    prepared call (``kind``: :attr:`FusedCall.prepared_kind`), with the shard's parameter
     and gradient, where the op's rule would run this update on exactly those shards
     (:func:`~qstate.dtensor_rules._fused_ops.shards_of`; the caller has checked
     :func:`~qstate.dtensor_rules._fused_ops.handler_is_reached`), else ``None`` (call the op).
 
     :func:`update_shards` would find and run the same prepared call with the same scalars, so the
     result is the op's, bit for bit. A shard has a prepared call only after an update through the
-    op (its layouts checked) ran its C kernel; calls of the eager kind never prepare one.
+    op (its layouts checked) ran a fused kernel; calls of the eager kind never prepare one.
     """
     shards = shards_of(param, grad, states)
     if shards is None:
         return None
     p, g, shard_states = shards
-    call = _cpu_kernel.prepared(kind, p, g, shard_states)
+    call = _prepared.prepared(kind, p, g, shard_states)
     return None if call is None else (call, p, g)
 
 

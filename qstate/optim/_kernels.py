@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import threading
 import types
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -63,10 +63,11 @@ from .._state import QuantizedState
 from ..formats import get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
+from ._prepared import PreparedUpdate
 from ._rules import RULES, UpdateRule
 from ._rounding import position_draws, store_param
 
-__all__ = ["KernelSpec", "get_kernel", "kernel_kinds", "run_fused"]
+__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_kinds", "run_fused"]
 
 
 class KernelSpec(NamedTuple):
@@ -339,6 +340,12 @@ class _BlockSpace:
         torch._dynamo.mark_static(out, out.dim() - 1)
         return out
 
+    def refresh(self) -> None:
+        """Copy the tensors into their padded copies again (a reused :class:`PreparedKernelCall`; the
+        padding lanes keep what the last call wrote, which no valid lane reads)."""
+        for flat, out in self._outputs:
+            out.view(self.rows, -1)[:, :flat.shape[1]].copy_(flat)
+
     def write_back(self) -> None:
         for flat, out in self._outputs:
             flat.copy_(out.view(self.rows, -1)[:, :flat.shape[1]])
@@ -360,54 +367,120 @@ def _static_config():
     return patches
 
 
+class PreparedKernelCall(PreparedUpdate):
+    """One parameter's compiled-kernel update (:func:`run_fused`), ready to run again (:mod:`._prepared`).
+
+    Holds the compiled kernel and its arguments but the gradient, the scalars and the stochastic-rounding
+    place: the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
+    or for rows that are not a whole number of block units zero-padded copies, refreshed from the tensors
+    before each reuse and written back after each call), the block limits and, for quantized states, the
+    scales the kernel's new scales are copied into. A call keeps that storage alive until it leaves the
+    registry (with its parameter or a state, or replaced by its parameter's next full path, which runs
+    once a tensor it holds is no longer the parameter's or a state's: :meth:`PreparedUpdate.valid`).
+    """
+
+    __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran")
+
+    def __init__(self, spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
+        super().__init__(spec, p, g, states, start)
+        self.spec, self.fn = spec, get_kernel(spec, p.device)
+        self.space: Optional[_BlockSpace] = None
+        self.scales: list[Tensor] = []
+        # the kernel's ``place``: per call for a ``param_sr`` kind (its key), else a constant it does not read
+        place = None if spec.param_sr else _no_place(p.device)
+        self.ran = False  # padded copies are fresh before the first call
+        if spec.quantized:
+            q0 = states[0]
+            self.row_len = q0.row_len
+            self.unit = _block_unit([s.block_size for s in states])
+            space = self.space = _BlockSpace(q0.rows, q0.row_len, self.unit)
+            flat: list[Tensor] = []
+            for s in states:
+                codec = get_codec(s.format, s.signed, p.device)
+                self.scales.append(space.view(s.scale, self.unit // s.block_size, True))
+                flat += [space.view(s.codes, self.unit * codec.fmt.bits // 8, True), self.scales[-1], *codec.tables]
+            self.args = [space.view(p.detach(), self.unit, True, split=True), None, None,
+                         _block_limits(q0.rows, q0.row_len, self.unit, p.device), place, *flat]
+            # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
+            self.odd_nibbles = tuple(i for i, s in enumerate(states) if s.fmt.bits == 4 and s.row_len % 2)
+        else:
+            n = (p.numel(),)
+            self.unit, self.row_len, self.odd_nibbles = 0, p.numel(), ()
+            self.args = [_alias(p.detach(), n), None, None, place, *[_alias(s, n) for s in states]]
+
+    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
+        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(kind, p, g, states)
+
+    @property
+    def group(self) -> tuple:
+        return ("inductor", self.spec, self.device)
+
+    def scalars_of(self, scalars, step: int) -> Tensor:
+        return scalars.hyper(step, self.device)
+
+    def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
+        self.run_group([self], [p], [g], hyper, [key])
+
+    @classmethod
+    def run_group(cls, calls, params, grads, hyper, keys) -> None:
+        """The calls one after another, under one entry of the compile settings (:func:`_static_config`)."""
+        if not isinstance(hyper, Tensor):  # the C kernel's float32 values (a CPU shard's scalars)
+            hyper = torch.tensor(hyper, dtype=torch.float32)
+        dyn, shapes = _static_config()
+        with dyn, shapes:
+            for call, p, g, key in zip(calls, params, grads, keys):
+                call._run(p, g, hyper, key)
+
+    def _run(self, p: Tensor, g: Tensor, hyper: Tensor, key: int) -> None:
+        space, args = self.space, list(self.args)
+        if space is not None:
+            if self.ran:  # padded copies: the tensors may have been written since the last call
+                space.refresh()
+            args[1] = space.view(g, self.unit, False)
+        else:
+            args[1] = _alias(g, (g.numel(),))
+        args[2] = hyper
+        if self.sr:  # the place argument: after the block limits of quantized kinds
+            args[4 if space is not None else 3] = self._sr_place(key)
+        self.ran = True
+        out = self.fn(*args)
+        if space is not None:
+            for scale, new_scale in zip(self.scales, out):
+                scale.copy_(new_scale)
+            space.write_back()
+            for i in self.odd_nibbles:
+                self.states[i]().codes[:, -1] &= 0x0F
+        # writes went through aliases: bump the version counters autograd checks
+        torch.autograd.graph.increment_version(p)
+
+    def _sr_place(self, key: int) -> Tensor:
+        """``[key, start, row_len]`` on the device: what the draws hash (:func:`._rounding.position_draws`)."""
+        place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), self.start, self.row_len],
+                             dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return place.to(self.device, non_blocking=True)  # pinned: the copy does not wait for the stream
+
+
+def _no_place(device: torch.device) -> Tensor:
+    place = _NO_PLACE.get(device)
+    if place is None:
+        place = _NO_PLACE[device] = torch.zeros(3, dtype=torch.int64, device=device)
+    return place
+
+
 def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
               key: Optional[int] = None, start: int = 0) -> None:
-    """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``).
+    """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``), and the
+    prepared call of this update for the next steps (:mod:`._prepared`).
 
     Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results); the others
-    run the compiled inductor kernel of their kind. A ``param_sr`` kind's draws hash ``key`` (64 bits;
-    None: :func:`._cpu_kernel.param_key` drawn now) with each element's flat index in the full tensor
-    ``p`` is a part of (``start``: its first element's), the same in both kernels
+    run the compiled inductor kernel of their kind (:class:`PreparedKernelCall`). A ``param_sr`` kind's
+    draws hash ``key`` (64 bits; None: :func:`._cpu_kernel.param_key` drawn now) with each element's flat
+    index in the full tensor ``p`` is a part of (``start``: its first element's), the same in both kernels
     (:func:`._rounding.position_draws`).
     """
     if _cpu_kernel.supports(spec, p.device, g.dtype):
         _cpu_kernel.run(spec, p, g, states, hyper, key, start)
         return
-    place = _NO_PLACE.get(p.device) if not spec.param_sr else None
-    if place is None:
-        if spec.param_sr:
-            key = _cpu_kernel.param_key() if key is None else key
-            row_len = states[0].row_len if spec.quantized else p.numel()
-            place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), start, row_len], dtype=torch.int64)
-            place = place.to(p.device)
-        else:
-            place = _NO_PLACE[p.device] = torch.zeros(3, dtype=torch.int64, device=p.device)
-    kernel = get_kernel(spec, p.device)
-    space = None
-    if spec.quantized:
-        q0 = states[0]
-        unit = _block_unit([s.block_size for s in states])
-        space = _BlockSpace(q0.rows, q0.row_len, unit)
-        flat: list[Tensor] = []
-        scales: list[Tensor] = []
-        for s in states:
-            codec = get_codec(s.format, s.signed, p.device)
-            scales.append(space.view(s.scale, unit // s.block_size, True))
-            flat += [space.view(s.codes, unit * codec.fmt.bits // 8, True), scales[-1], *codec.tables]
-        args = (space.view(p.detach(), unit, True, split=True), space.view(g, unit, False), hyper,
-                _block_limits(q0.rows, q0.row_len, unit, p.device), place, *flat)
-    else:
-        n = (p.numel(),)
-        args = (_alias(p.detach(), n), _alias(g, n), hyper, place, *[_alias(s, n) for s in states])
-    dyn, shapes = _static_config()
-    with dyn, shapes:
-        out = kernel(*args)
-    if space is not None:
-        for scale, new_scale in zip(scales, out):
-            scale.copy_(new_scale)
-        space.write_back()
-        for s in states:  # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
-            if s.fmt.bits == 4 and s.row_len % 2:
-                s.codes[:, -1] &= 0x0F
-    # writes went through aliases: bump the version counters autograd checks
-    torch.autograd.graph.increment_version(p)
+    call = PreparedKernelCall(spec, p, g, states, start)
+    call(p, g, hyper, (_cpu_kernel.param_key() if key is None else key) if spec.param_sr else 0)
+    call.register()

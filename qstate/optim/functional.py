@@ -16,9 +16,11 @@ Paths
   (decode -> update -> encode in one pass; one graph per kernel kind, see
   ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
   takes, bf16 stochastic rounding included (both kernels draw from a hash of
-  a per-parameter key and each element's index): a parameter's
-  later steps reuse its prepared call, and a step's prepared calls of one
-  kernel run as one C call), except parameters with
+  a per-parameter key and each element's index). A parameter's later steps
+  reuse its prepared call (``_prepared.py``: the kernel and its arguments,
+  after identity and pointer checks); a step's prepared calls of one C
+  kernel run as one C call, those of one inductor kernel under one entry of
+  its compile settings. Except parameters with
   plain states and fewer than
   :data:`SMALL_PLAIN_NUMEL` elements (biases, norms) of kinds the C kernel
   does not take, which run eagerly: faster than a compiled kernel's call for
@@ -28,9 +30,8 @@ Paths
   ``qstate::fused_update``, which DTensor runs shard by shard with the same
   kernels (``_fused_op.py``; no collectives). The op's rule checks the
   layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
-  Later steps queue the shard's prepared C-kernel call with the plain
-  parameters' where the op would run exactly that call on the CPU
-  (``_fused_op.prepared_shard_call``). bf16 stochastic rounding takes this
+  Later steps queue the shard's prepared call with the plain parameters'
+  where the op would run exactly that call (``_fused_op.prepared_shard_call``). bf16 stochastic rounding takes this
   path where the shards are fusable and each is one range of the flat
   parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are the keys
   a plain parameter at that position would get, and the fused kernels (C
@@ -73,6 +74,8 @@ from ..dtensor_rules._fused_ops import (LayoutMismatch, call_fused_update, flat_
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
 from ._kernels import KernelSpec, fusable, run_fused
+from . import _prepared
+from ._prepared import PendingCalls
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
@@ -205,27 +208,28 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     static = tuple(sorted(flags.items()))
     # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
     batches: dict[tuple, _Batch] = {}
-    ready = _cpu_kernel.PendingCalls()
+    ready = PendingCalls()
     keys = _cpu_kernel.ParamKeys()  # the C kernel's stochastic-rounding keys, by position in ``params``
     direct: Optional[bool] = None
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         dtensor = is_dtensor(p)
-        # the C kernel's call of an earlier step, if nothing it relies on changed: queued, one call per
-        # kind; for a DTensor its shard's, where the op would run that call (a stochastically rounding
-        # shard's call drew by its place in the full parameter: it has one only from the op with sr_keys)
+        # the fused kernel's call of an earlier step (C or inductor), if nothing it relies on changed:
+        # queued, one group per kernel; for a DTensor its shard's, where the op would run that call (a
+        # stochastically rounding shard's call drew by its place in the full parameter: it has one only
+        # from the op with sr_keys)
         if compile and not dtensor:
-            call = _cpu_kernel.prepared((rule.name, static, sr), p, g, st)
+            call = _prepared.prepared((rule.name, static, sr), p, g, st)
             if call is not None:
-                ready.add(call, p, g, step, scalars.host(step), key=keys(i) if call.sr else 0)
+                ready.add(call, p, g, step, call.scalars_of(scalars, step), key=keys(i) if call.sr else 0)
                 continue
         elif compile:
             if direct is None:  # whether the op would reach its DTensor handler: once per step
                 direct = handler_is_reached()
             found = prepared_shard_call((rule.name, static, sr), p, g, st) if direct else None
             if found is not None:
-                ready.add(found[0], found[1], found[2], step, scalars.host(step), owner=p,
+                ready.add(found[0], found[1], found[2], step, found[0].scalars_of(scalars, step), owner=p,
                           key=keys(i) if found[0].sr else 0)
                 continue
         ready.before(p)

@@ -1,0 +1,202 @@
+"""Prepared calls: a parameter's fused update, kept between steps and run again after a few checks.
+
+Both fused kernels leave one per parameter (or DTensor shard) they update:
+the C kernel a :class:`._cpu_kernel.PreparedCall` (the loaded kernel, the
+states' ``qstate_t`` slots), the compiled inductor kernel a
+:class:`._kernels.PreparedKernelCall` (the compiled function and its
+arguments as aliases of the parameter's and states' storage). A later step
+finds it with :func:`prepared` and runs it after identity and pointer checks
+(:meth:`PreparedUpdate.valid`), instead of re-deriving the kind, re-checking
+every state and re-building the arguments.
+
+Validity: a call is valid while the parameter object and its storage, the
+state objects and their buffers and maps, and the gradient's dtype, shape,
+contiguity and device are those it was prepared for; any change runs the
+full path, which prepares a new call. A call keeps the kind it was built for
+(rule, static flags, stochastic rounding: checked against the caller's) and,
+for a DTensor shard, the shard's first flat index in the full tensor.
+
+Registry: calls are keyed by the parameter and its first state (two
+optimizers over one parameter keep one each). It holds weak references only;
+an entry leaves it with its parameter or any of its states
+(:func:`prepared_calls`, :func:`clear_prepared_calls`).
+
+Running: :class:`PendingCalls` collects a step's valid calls and runs them
+per kernel (:meth:`PreparedUpdate.run_group`): the C kernel's as one C call
+over all of them, the inductor kernel's one after another under one entry of
+its compile settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Optional, Sequence, Union
+
+from torch import Tensor
+
+__all__ = ["PreparedUpdate", "PendingCalls", "prepared", "prepared_calls", "clear_prepared_calls"]
+
+Hyper = Union[Tensor, Sequence[float]]
+
+
+def _buffers(states: Sequence[Tensor]) -> tuple[int, ...]:
+    """The data pointers a prepared call holds for ``states`` (codes and scales, or plain values)."""
+    out: list[int] = []
+    for s in states:
+        if type(s) is Tensor:
+            out.append(s.data_ptr())
+        else:
+            out += (s.codes.data_ptr(), s.scale.data_ptr())
+    return tuple(out)
+
+
+class PreparedUpdate:
+    """One parameter's fused update, ready to run again (module docstring).
+
+    Subclasses hold what their kernel needs and define :meth:`__call__`, :attr:`group` and, to run
+    several calls of one group at once, :meth:`run_group`; this base holds what the update was derived
+    from and checks a new call's tensors against it (:meth:`valid`).
+    """
+
+    __slots__ = ("kind", "sr", "start", "key", "param", "states", "p_ptr", "p_dtype", "device", "g_dtype", "g_shape",
+                 "buffers", "maps", "__weakref__")
+
+    def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
+        #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
+        self.kind = (spec.rule, spec.flags, spec.stochastic_round)
+        #: whether each call takes a stochastic-rounding key (:class:`._cpu_kernel.ParamKeys`)
+        self.sr = spec.param_sr
+        #: the flat index of ``p``'s first element in its full tensor (0: ``p`` is whole)
+        self.start = start
+        #: the registry key (:func:`_key`)
+        self.key = key = _key(p, states)
+        # when the parameter or the first state dies; the registry is bound, not looked up: at interpreter
+        # exit the callback may run after this module's globals are gone
+        forget = functools.partial(_forget, _PREPARED, key, self)
+        self.param = weakref.ref(p, forget)
+        self.states = tuple(weakref.ref(s, forget) for s in states)
+        self.p_ptr, self.p_dtype, self.device = p.data_ptr(), p.dtype, p.device
+        self.g_dtype, self.g_shape = g.dtype, g.shape
+        self.buffers = _buffers(states)
+        #: each quantized state's map and its version (an in-place write changes the decode)
+        self.maps = tuple((s.qmap, s.qmap._version) for s in states if type(s) is not Tensor and s.qmap is not None)
+
+    def register(self) -> None:
+        """Enter this call in the registry (replacing its parameter's earlier one)."""
+        _PREPARED[self.key] = self
+
+    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
+        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would."""
+        if kind != self.kind or len(states) != len(self.states):
+            return False
+        for ref, s in zip(self.states, states):
+            if ref() is not s:
+                return False
+        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or not p.is_contiguous():
+            return False
+        if type(g) is not Tensor or g.dtype is not self.g_dtype or g.shape != self.g_shape:
+            return False
+        if not g.is_contiguous() or g.device != self.device:
+            return False
+        for qmap, version in self.maps:
+            if qmap._version != version:
+                return False
+        return _buffers(states) == self.buffers
+
+    @property
+    def group(self) -> tuple:
+        """Calls with equal groups (and scalars) may run together (:meth:`run_group`)."""
+        raise NotImplementedError
+
+    def scalars_of(self, scalars, step: int) -> Hyper:
+        """This call's ``hyper`` argument from the update's scalar cache (``functional._Scalars``)."""
+        raise NotImplementedError
+
+    def __call__(self, p: Tensor, g: Tensor, hyper: Hyper, key: int = 0) -> None:
+        """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def run_group(cls, calls: Sequence["PreparedUpdate"], params: Sequence[Tensor], grads: Sequence[Tensor],
+                  hyper: Hyper, keys: Sequence[int]) -> None:
+        """Run valid calls of one :attr:`group`, each with its parameter, gradient and key (a parameter
+        appears once): by default one after another."""
+        for call, p, g, key in zip(calls, params, grads, keys):
+            call(p, g, hyper, key)
+
+
+class PendingCalls:
+    """Valid prepared calls collected over a step and run together (:meth:`PreparedUpdate.run_group`), per
+    call group and caller's group (the step: the scalars); a parameter added twice runs twice, in order."""
+
+    def __init__(self):
+        self.groups: dict[tuple, tuple[type, Hyper, list, list, list, list]] = {}
+        self.params: set[int] = set()
+
+    def before(self, p: Tensor) -> None:
+        """Run the queue if it updates ``p``: an update of ``p`` outside it comes next."""
+        if id(p) in self.params:
+            self.run()
+
+    def add(self, call: PreparedUpdate, p: Tensor, g: Tensor, group, hyper: Hyper,
+            owner: Optional[Tensor] = None, key: int = 0) -> None:
+        """Queue ``call`` of ``p`` with ``g``, the scalars ``hyper`` of the caller's ``group`` and, for a
+        stochastically rounding call, its ``key`` (:class:`._cpu_kernel.ParamKeys`).
+
+        ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
+        whose updates outside the queue (:meth:`before`) must also wait for this one."""
+        self.before(p)
+        self.params.add(id(p))
+        if owner is not None:
+            self.before(owner)
+            self.params.add(id(owner))
+        _, _, calls, ps, gs, keys = self.groups.setdefault((call.group, group), (type(call), hyper, [], [], [], []))
+        calls.append(call)
+        ps.append(p)
+        gs.append(g)
+        keys.append(key)
+
+    def run(self) -> None:
+        for kind, hyper, calls, ps, gs, keys in self.groups.values():
+            kind.run_group(calls, ps, gs, hyper, keys)
+        self.groups.clear()
+        self.params.clear()
+
+
+#: (id(parameter), id(first state)) -> PreparedUpdate (weakly held tensors; an entry leaves with either)
+_PREPARED: dict[tuple[int, int], PreparedUpdate] = {}
+
+
+def _key(p: Tensor, states: Sequence[Tensor]) -> tuple[int, int]:
+    """A prepared call's registry key: the parameter and its first state (several optimizers may
+    update one parameter, each with its own states)."""
+    return id(p), id(states[0]) if states else 0
+
+
+def _forget(registry: dict, key: tuple[int, int], call: PreparedUpdate, _ref: weakref.ref) -> None:
+    """The parameter or first state of ``call`` died: drop its entry (unless a newer call owns the key)."""
+    if registry.get(key) is call:
+        del registry[key]
+
+
+def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
+             start: Optional[int] = None) -> Optional[PreparedUpdate]:
+    """``p``'s prepared call, if it is still valid for this update (``kind``: the rule's name, its sorted
+    static flags and stochastic rounding; ``start``, where given: the shard's first flat index), else
+    ``None`` (take the full path)."""
+    call = _PREPARED.get(_key(p, states))
+    if call is not None and call.param() is p and call.valid(kind, p, g, states):
+        if start is None or call.start == start:
+            return call
+    return None
+
+
+def prepared_calls() -> int:
+    """How many prepared calls the registry holds."""
+    return len(_PREPARED)
+
+
+def clear_prepared_calls() -> None:
+    """Forget every prepared call (the next update of each parameter takes the full path)."""
+    _PREPARED.clear()
