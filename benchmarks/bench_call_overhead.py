@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     def stepper(name: str, opt: torch.optim.Optimizer):
         def step() -> None:
             if name.endswith("full path"):
-                clear_prepared_calls()
+                clear_prepared_calls([p for group in opt.param_groups for p in group["params"]])
             opt.step()
             sync()
         return step

@@ -359,3 +359,12 @@ def test_inductor_calls_over_padded_and_odd_rows_give_the_full_paths_results(fmt
             r = ref.state[q][name]
             if name != "step":
                 assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
+
+
+def test_clearing_the_calls_of_some_parameters_keeps_the_others():
+    gc.collect()
+    _prepared.clear_prepared_calls()
+    twin = _Twin()
+    twin.step(0)
+    _prepared.clear_prepared_calls(twin.ref_ps)
+    assert sorted(id(c.param()) for c in _prepared._PREPARED.values()) == sorted(id(p) for p in twin.ps)

@@ -197,6 +197,12 @@ def prepared_calls() -> int:
     return len(_PREPARED)
 
 
-def clear_prepared_calls() -> None:
-    """Forget every prepared call (the next update of each parameter takes the full path)."""
-    _PREPARED.clear()
+def clear_prepared_calls(params: Optional[Sequence[Tensor]] = None) -> None:
+    """Forget the prepared calls of ``params`` (None: every call); the next update of each such parameter
+    takes the full path."""
+    if params is None:
+        _PREPARED.clear()
+        return
+    ids = {id(p) for p in params}
+    for key in [k for k in _PREPARED if k[0] in ids]:
+        del _PREPARED[key]
