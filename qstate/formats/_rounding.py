@@ -54,14 +54,15 @@ __all__ = ["ROUNDINGS", "lowbias32", "lowbias32_int", "stochastic_code"]
 #: rounding modes of a quantized state; the first is the default
 ROUNDINGS = ("nearest", "stochastic")
 
-_MASK32 = 0xFFFFFFFF
+#: the low 32 bits: lowbias32 runs on 32-bit words held in int64
+MASK32 = 0xFFFFFFFF
 #: ``0x846ca68b - 2**32``: the same product mod ``2**32``, and ``|x * k| < 2**63`` for ``x < 2**32``
 _K2_SIGNED = 0x846CA68B - (1 << 32)
 
 
 def lowbias32(y: Tensor) -> Tensor:
     """``lowbias32(bits(y))`` for float32 ``y``, as int64 values in ``[0, 2**32)``."""
-    return lowbias32_int(y.view(torch.int32).long() & _MASK32)
+    return lowbias32_int(y.view(torch.int32).long() & MASK32)
 
 
 def lowbias32_int(x: Tensor) -> Tensor:
@@ -72,9 +73,9 @@ def lowbias32_int(x: Tensor) -> Tensor:
     values are logical.
     """
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
+    x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)
-    x = (x * _K2_SIGNED) & _MASK32
+    x = (x * _K2_SIGNED) & MASK32
     return x ^ (x >> 16)
 
 

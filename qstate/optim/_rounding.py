@@ -34,11 +34,9 @@ from torch import Tensor
 from .._library import LIBRARY, flat_index_like
 from .._splitmix64 import as_int64
 from ..formats import lowbias32_int
+from ..formats._rounding import MASK32
 
 __all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
-
-_MASK32 = 0xFFFFFFFF
-
 
 def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     """``x`` (float32) rounded stochastically to bfloat16, unbiased: with ``draws`` (integers in
@@ -55,8 +53,8 @@ def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     under the 64-bit ``key`` (an int64 tensor or int: the key's two's complement): ``lowbias32(lowbias32(lo ^ k_lo)
     ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
     kernel's ``param_draw``)."""
-    inner = lowbias32_int((index & _MASK32) ^ (key & _MASK32))
-    return lowbias32_int(inner ^ ((index >> 32) & _MASK32) ^ ((key >> 32) & _MASK32)) >> 16
+    inner = lowbias32_int((index & MASK32) ^ (key & MASK32))
+    return lowbias32_int(inner ^ ((index >> 32) & MASK32) ^ ((key >> 32) & MASK32)) >> 16
 
 
 def key_draws(key: int, p: Tensor) -> Tensor:
