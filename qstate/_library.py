@@ -13,7 +13,7 @@ without importing the optimizers.
   ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
   (shared: one step count), ``kind`` names the rule, its static flags,
   stochastic rounding and compilation. For a kind with stochastic rounding
-  that runs the fused kernels, ``sr_keys`` gives each parameter's rounding key
+  (fused kernels or op by op), ``sr_keys`` gives each parameter's rounding key
   (int64, the 64-bit key's two's complement) and ``starts`` the flat index of
   each parameter's first element in its full tensor (DTensor's handler sets
   it for the shards, so that each element's draw depends on its place in the

@@ -123,16 +123,20 @@ def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
     runs = []
     for sharded in (False, True):
         torch.manual_seed(0)
-        w = torch.randn(65, 257, device="cuda").bfloat16()
-        p = nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]) if sharded else w)
-        opt = qstate.optim.AdamW([p], lr=1e-2, state_format="8bit", min_quantize_numel=0,
-                                 bf16_stochastic_round=True, seed=7)
+        # a quantized weight (the inductor kernel) and a bias with small plain states (op by op: on the
+        # DTensor's shards inside the op, drawing by place, against the plain bias's eager update)
+        ps = [nn.Parameter(distribute_tensor(w, mesh, [Shard(0)]) if sharded else w)
+              for w in (torch.randn(65, 257, device="cuda").bfloat16(), torch.randn(65, device="cuda").bfloat16())]
+        opt = qstate.optim.AdamW(ps, lr=1e-2, state_format="8bit", bf16_stochastic_round=True, seed=7,
+                                 min_quantize_numel=0)
         for step in range(2):
-            g = torch.randn(65, 257, device="cuda", generator=torch.Generator("cuda").manual_seed(step)).bfloat16()
-            p.grad = distribute_tensor(g, mesh, [Shard(0)]) if sharded else g
+            for p in ps:
+                gen = torch.Generator("cuda").manual_seed(step)
+                g = torch.randn(p.shape, device="cuda", generator=gen).bfloat16()
+                p.grad = distribute_tensor(g, mesh, [Shard(0)]) if sharded else g
             opt.step()
-        runs.append(p.detach().full_tensor() if sharded else p.detach())
-    assert torch.equal(*runs)
+        runs.append([p.detach().full_tensor() if sharded else p.detach() for p in ps])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def check_prepared_calls_equal_the_full_path_on_cuda() -> None:

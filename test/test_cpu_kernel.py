@@ -735,6 +735,10 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     assert "B / A = " in out
 
 
+#: AdamW's static flags, as the optimizer gives them (sorted)
+_ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
+
+
 def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
     """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors."""
     from qstate._library import fused_update
@@ -743,7 +747,7 @@ def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     hyper = torch.tensor([1e-2, 1.0] + [RULES["adam"].scalars(group, 1)[n] for n in RULES["adam"].scalar_names[2:]])
-    kind = kind or fused_kind("adam", (("decoupled", True),), True)
+    kind = kind or fused_kind("adam", _ADAMW_FLAGS, True)
     fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys, starts=starts)
 
 
@@ -772,24 +776,45 @@ def test_stochastic_rounding_draws_by_place_in_the_full_tensor(fmt):
     assert not torch.equal(whole, p0)  # the update moved it
 
 
+def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op():
+    # a non-contiguous shard runs the rule's math op by op; with sr_keys and starts its draws still follow
+    # each element's place in the full tensor: row ranges of a transposed tensor, each with its start, are
+    # updated as the whole tensor is by the eager math with the same key (update_eagerly, key_draws)
+    from qstate.optim._rules import RULES
+    from qstate.optim._update import update_eagerly
+
+    gen = torch.Generator().manual_seed(0)
+    p0, g = torch.randn(10, 300, generator=gen).bfloat16(), torch.randn(10, 300, generator=gen).bfloat16()
+    key = 0x9E3779B97F4A7C15 - 2**64
+    whole, st = p0.clone(), [torch.zeros(10, 300) for _ in range(2)]
+    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    h = {"lr": 1e-2, "grad_unscale": 1.0, **RULES["adam"].scalars(group, 1)}
+    h = {n: torch.tensor(h[n], dtype=torch.float32).item() for n in RULES["adam"].scalar_names}  # hyper's float32
+    update_eagerly(RULES["adam"], dict(_ADAMW_FLAGS), whole, g, st, h, True, key % 2**64)
+    parts = [p0[:4].t().contiguous().t(), p0[4:].t().contiguous().t()]  # not contiguous: no fused kernel
+    assert not any(q.is_contiguous() for q in parts)
+    states = [[torch.zeros(q.shape) for _ in range(2)] for q in parts]
+    _sr_adamw_op(parts, [g[:4], g[4:]], states, [key, key], [0, 4 * 300])
+    assert torch.equal(torch.cat(parts), whole)
+    assert all(torch.equal(torch.cat([a[i], b[i]]), st[i]) for a, b in [states] for i in range(2))
+    assert not torch.equal(whole, p0)
+
+
 class TestSrKeysErrors(expecttest.TestCase):
-    def test_sr_keys_need_the_c_kernel_and_change_nothing(self):
+    def test_sr_keys_need_a_stochastically_rounding_kind_and_change_nothing(self):
         from qstate.optim._fused_op import fused_kind
 
-        p = torch.zeros(300, 10, dtype=torch.bfloat16).t()  # not contiguous: no fused kernel
         ok = torch.zeros(10, 300, dtype=torch.bfloat16)
         g = torch.ones(10, 300, dtype=torch.bfloat16)
         st = [[torch.zeros(10, 300) for _ in range(2)] for _ in range(2)]
-        before = [t.clone() for t in (p, ok, *st[0], *st[1])]
+        before = [t.clone() for t in (ok, *st[0], *st[1])]
 
         def error(fn) -> str:
             with self.assertRaises(Exception) as info:
                 fn()
             return f"{type(info.exception).__name__}: {info.exception}"
 
-        # the contiguous first parameter is not written either: every parameter is checked first
-        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok, p], [g, g], st, [1, 2])), """RuntimeError: qstate::fused_update with sr_keys: params[1] (torch.bfloat16 (10, 300) on cpu): it would run op by op (an eager kind, or tensors the fused kernels do not take), which cannot draw by its place in the full tensor; call the op without sr_keys""")
-        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1], kind=fused_kind("adam", (("decoupled", True),), False))), """RuntimeError: qstate::fused_update with sr_keys: params[0] (torch.bfloat16 (10, 300) on cpu): sr_keys given to a kind without stochastic rounding (FusedCall(rule='adam', flags=(('decoupled', True),), stochastic_round=False, eager=False, tensor_scalars=()))""")
+        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1], kind=fused_kind("adam", _ADAMW_FLAGS, False))), """RuntimeError: qstate::fused_update with sr_keys: params[0] (torch.bfloat16 (10, 300) on cpu): sr_keys given to a kind without stochastic rounding (FusedCall(rule='adam', flags=(('amsgrad', False), ('decoupled', True), ('maximize', False)), stochastic_round=False, eager=False, tensor_scalars=()))""")
         self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, no starts""")
-        for t, b in zip((p, ok, *st[0], *st[1]), before):
+        for t, b in zip((ok, *st[0], *st[1]), before):
             assert torch.equal(t, b)

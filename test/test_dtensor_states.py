@@ -369,15 +369,22 @@ def test_every_rule_and_format_on_dtensor_equals_the_unsharded_steps_after_the_f
     assert len(calls) == op_steps
 
 
+@pytest.mark.parametrize("path", ["eager", "c kernel", "op by op in the op"])
 @pytest.mark.parametrize("placement", [Shard(0), Shard(1), Replicate()], ids=str)
-def test_eager_bf16_stochastic_rounding_on_dtensors_draws_as_the_unsharded_step(placement):
+def test_eager_bf16_stochastic_rounding_on_dtensors_draws_as_the_unsharded_step(placement, path, monkeypatch):
     # rank 0 of the fake world, compile=False: the op-by-op math on a DTensor draws each element by its
     # index in the full parameter (qstate::flat_index_like, whose DTensor handler gives the shard its
     # indices; then shifts, which torch's DTensor returned unchanged before the shift rule), as the
     # unsharded eager step and the fused kernels do, for any placement: rank 0's shard equals the
-    # unsharded parameter's part bit for bit (float32 states: the math is elementwise on every layout)
-    from qstate.optim import AdamW
+    # unsharded parameter's part bit for bit (float32 states: the math is elementwise on every layout).
+    # compile=True: the C kernel on Shard(0) / Replicate shards through qstate::fused_update with sr_keys;
+    # with the C kernel off, the small plain states run op by op inside the op, on the shard, drawing by
+    # its start (before, they ran op by op on the DTensor)
+    from qstate.optim import AdamW, _fused_op, cpu_kernel_enabled
 
+    in_op: list = []
+    eagerly = _fused_op.update_eagerly
+    monkeypatch.setattr(_fused_op, "update_eagerly", lambda *a, **k: in_op.append(1) or eagerly(*a, **k))
     torch.manual_seed(0)
     full, grads = torch.randn(10, 301).bfloat16(), [torch.randn(10, 301).bfloat16() for _ in range(3)]
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -387,12 +394,14 @@ def test_eager_bf16_stochastic_rounding_on_dtensors_draws_as_the_unsharded_step(
         return DTensor.from_local(t[part].clone(), mesh, [placement], run_check=False, shape=t.shape, stride=t.stride())
 
     ref, p = torch.nn.Parameter(full.clone()), torch.nn.Parameter(shard(full))
-    ref_opt, opt = (AdamW([x], lr=1e-2, state_format="fp32", bf16_stochastic_round=True, seed=3, compile=False)
-                    for x in (ref, p))
-    for g in grads:
-        ref.grad, p.grad = g.clone(), shard(g)
-        ref_opt.step()
-        opt.step()
+    ref_opt, opt = (AdamW([x], lr=1e-2, state_format="fp32", bf16_stochastic_round=True, seed=3,
+                          compile=path != "eager") for x in (ref, p))
+    with cpu_kernel_enabled(path == "c kernel"):
+        for g in grads:
+            ref.grad, p.grad = g.clone(), shard(g)
+            ref_opt.step()
+            opt.step()
+    assert len(in_op) == (3 if path == "op by op in the op" and placement != Shard(1) else 0)
     assert torch.equal(p.to_local(), ref.detach()[part])
     nearest = torch.nn.Parameter(full.clone())
     nearest_opt = AdamW([nearest], lr=1e-2, state_format="fp32", compile=False)

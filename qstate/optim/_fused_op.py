@@ -110,16 +110,17 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
     may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are
 (a prepared inductor-kernel call makes a CPU tensor of them).
-    With ``sr_keys`` every parameter must run a fused kernel, whose draws follow the key and each
-    element's place in the full tensor; one that would not raises before it is written."""
+    With ``sr_keys`` each parameter's draws follow its key and each element's place in the full tensor,
+    in the fused kernels and op by op alike (a kind without stochastic rounding raises before anything
+    is written)."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
     if sr_keys is not None:  # every parameter checked before any is written
         if len(sr_keys) != len(params) or (starts is not None and len(starts) != len(params)):
             raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
                              f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
-        for i, (param, grad) in enumerate(zip(params, grads)):
-            _check_sr_keys_shard(call, param, grad, list(states[i * n:(i + 1) * n]), i)
+        for i, param in enumerate(params):
+            _check_sr_keys_shard(call, param, i)
     pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
     as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
@@ -169,21 +170,16 @@ def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tens
         h = _eager_scalars(rule, call, hyper, param.device)
     else:
         h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
-    update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round)
+    # op by op, a key draws as the fused kernels do: by each element's place in the full tensor
+    update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round, key, start)
 
 
-def _check_sr_keys_shard(call: FusedCall, param: Tensor, grad: Tensor, states: list[Tensor], index: int) -> None:
-    """Raise unless ``params[index]``'s update with ``sr_keys`` runs a fused kernel (C or inductor), which
-    draws by each element's place in the full tensor."""
-    def error(why: str) -> Exception:
-        return RuntimeError(f"qstate::fused_update with sr_keys: params[{index}] ({param.dtype} {tuple(param.shape)} "
-                            f"on {param.device}): {why}")
-
+def _check_sr_keys_shard(call: FusedCall, param: Tensor, index: int) -> None:
+    """Raise unless ``params[index]``'s update rounds stochastically: what ``sr_keys`` are for."""
     if not call.stochastic_round:
-        raise error(f"sr_keys given to a kind without stochastic rounding ({call})")
-    if call.eager or not fusable(param, grad, states):
-        raise error("it would run op by op (an eager kind, or tensors the fused kernels do not take), which "
-                    "cannot draw by its place in the full tensor; call the op without sr_keys")
+        raise RuntimeError(f"qstate::fused_update with sr_keys: params[{index}] ({param.dtype} "
+                           f"{tuple(param.shape)} on {param.device}): sr_keys given to a kind without stochastic "
+                           f"rounding ({call})")
 
 
 LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")

@@ -57,11 +57,13 @@ def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     return lowbias32_int(inner ^ ((index >> 32) & MASK32) ^ ((key >> 32) & MASK32)) >> 16
 
 
-def key_draws(key: int, p: Tensor) -> Tensor:
+def key_draws(key: int, p: Tensor, start: int = 0) -> Tensor:
     """:func:`position_draws` of ``p``'s elements (a plain tensor or a DTensor of any layout: each element
     by its index in the full tensor, ``qstate::flat_index_like``) under the 64-bit ``key`` (a Python int in
-    ``[0, 2**64)``), in ``p``'s shape."""
-    return position_draws(as_int64(key), flat_index_like(p))
+    ``[0, 2**64)``), in ``p``'s shape. ``start``: the flat index of a plain ``p``'s first element in the
+    full tensor it is one range of (a shard's, as the fused kernels take it)."""
+    index = flat_index_like(p)
+    return position_draws(as_int64(key), index + start if start else index)
 
 
 def _flat_index(self: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ __all__ = ["update_eagerly"]
 
 
 def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict,
-                   stochastic_round: bool, key: Optional[int] = None) -> None:
+                   stochastic_round: bool, key: Optional[int] = None, start: int = 0) -> None:
     """Update ``p`` and ``states`` in place with out-of-place math, then ``copy_`` back.
 
     States are read with out-of-place math (quantized ones give plain float32
@@ -22,7 +22,8 @@ def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: 
     ``state.copy_(new)``, which requantizes a quantized state in its own layout.
     A bfloat16 ``p`` rounding stochastically draws by place under ``key``
     (the fused kernels' draws, :func:`~._rounding.key_draws`; plain tensors
-    and DTensors alike), or without one from the default generator.
+    and DTensors alike; ``start``: a shard's first flat index in the full
+    tensor), or without one from the default generator.
     """
     p32 = p if p.dtype == torch.float32 else p.float()
     g32 = g if g.dtype == torch.float32 else g.float()
@@ -31,4 +32,4 @@ def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: 
     for x, value in zip(states, new):
         x.copy_(value)
     sr = stochastic_round and p.dtype == torch.bfloat16
-    store_param(p, p_new, sr, key_draws(key, p) if sr and key is not None else None)
+    store_param(p, p_new, sr, key_draws(key, p, start) if sr and key is not None else None)

@@ -31,13 +31,14 @@ Paths
   kernels (``_fused_op.py``; no collectives). The op's rule checks the
   layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
   Later steps queue the shard's prepared call with the plain parameters'
-  where the op would run exactly that call (``_fused_op.prepared_shard_call``). bf16 stochastic rounding takes this
-  path where the shards are fusable and each is one range of the flat
-  parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are the keys
-  a plain parameter at that position would get, and the fused kernels (C
-  and inductor alike) draw by each element's place in the full parameter,
-  so the sharded update is the unsharded one, bit for bit, on any number
-  of ranks.
+  where the op would run exactly that call (``_fused_op.prepared_shard_call``).
+  bf16 stochastic rounding takes this path where each shard is one range of
+  the flat parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are
+  the keys a plain parameter at that position would get, and the shards'
+  updates (the fused kernels, C and inductor alike, or op by op for small
+  plain states and shards the kernels do not take) draw by each element's
+  place in the full parameter, so the sharded update is the unsharded one on
+  any number of ranks (bit for bit where both run the same kernel).
 * otherwise (``compile=False``, stochastic rounding on DTensors elsewhere
   (other placements, simulated ranks), other layouts, mixed devices,
   views): the same math eagerly, op by op. A bf16 parameter rounds
@@ -241,15 +242,16 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
             # of a batch it rejects (LayoutMismatch, before any write), the parameters whose
             # layouts differ run op by op and the others the op.
-            # With stochastic rounding where the shards run a fused kernel, whose draws follow each
-            # element's place in the full parameter (sr_keys: the keys a plain parameter gets, so the
-            # update is the unsharded one's on any number of ranks); elsewhere the op-by-op path draws
-            # the same way (qstate::flat_index_like gives each shard its elements' global indices).
+            # With stochastic rounding where each shard is one range of the flat parameter, with sr_keys
+            # (the keys a plain parameter gets): the shards' draws, fused kernel or op by op, follow each
+            # element's place in the full parameter, so the update is the unsharded one's on any number
+            # of ranks; elsewhere the DTensor's op-by-op path draws the same way (qstate::flat_index_like
+            # gives each shard its elements' global indices).
             st = list(st)
             all_dtensors = is_dtensor(g) and all(is_dtensor(x) for x in st)
             # small: from the global size, the same choice on every rank
             small = all_dtensors and _small_eager(rule, static, p, g, st, sr)[0]
-            if not all_dtensors or (sr and (small or not _shards_draw_by_place(p, g, st))):
+            if not all_dtensors or (sr and not _shards_draw_by_place(p, g, st)):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
                 continue
             key = (small, step, p.device, sr)
@@ -270,14 +272,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
 
 
 def _shards_draw_by_place(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
-    """Whether the stochastically rounding update of the DTensor ``p`` (of a kind that does not run
-    small plain states op by op: the caller checks, from the global size) can run a fused kernel (the C
-    or the inductor kernel, which draw by each element's place) on its shards through the op with
-    ``sr_keys``: each shard is one range of the flat parameter (:func:`flat_start`), and the local shards
-    are plain tensors or ``QuantizedState`` (not a simulated rank's ``LocalTensor``: :func:`shards_of`)
-    and fusable."""
-    shards = shards_of(p, g, st)
-    return shards is not None and flat_start(p) is not None and fusable(*shards)
+    """Whether the stochastically rounding update of the DTensor ``p`` can run on its shards through the
+    op with ``sr_keys``, whose draws (fused kernel or op by op) follow each element's place: each shard is
+    one range of the flat parameter (:func:`flat_start`), and the local shards are plain tensors or
+    ``QuantizedState`` (not a simulated rank's ``LocalTensor``: :func:`shards_of`)."""
+    return shards_of(p, g, st) is not None and flat_start(p) is not None
 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
