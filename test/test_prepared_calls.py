@@ -368,3 +368,28 @@ def test_clearing_the_calls_of_some_parameters_keeps_the_others():
     twin.step(0)
     _prepared.clear_prepared_calls(twin.ref_ps)
     assert sorted(id(c.param()) for c in _prepared._PREPARED.values()) == sorted(id(p) for p in twin.ps)
+
+
+def test_a_dropped_call_is_freed_without_a_garbage_collection():
+    # an inductor-kernel call holds views of its tensors' storage: once the registry drops it (a state
+    # died, or its parameter's next full path replaced it) it must go at once, not at a later collection
+    import weakref
+
+    with cpu_kernel_enabled(False):
+        p = torch.nn.Parameter(torch.randn(8, 512))
+        p.grad = torch.randn(8, 512)
+        opt = AdamW([p], lr=1e-3, state_format="8bit")
+        opt.step()
+        call = weakref.ref(next(c for c in _prepared._PREPARED.values() if c.param() is p))
+        assert type(call()) is _kernels.PreparedKernelCall
+        gc.disable()
+        try:
+            opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg_sq"].clone()  # the old state dies
+            assert call() is None
+            opt.step()  # the full path prepares a new call; replacing it frees it too
+            call = weakref.ref(next(c for c in _prepared._PREPARED.values() if c.param() is p))
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+            opt.step()
+            assert call() is None
+        finally:
+            gc.enable()

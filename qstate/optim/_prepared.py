@@ -71,9 +71,11 @@ class PreparedUpdate:
         self.start = start
         #: the registry key (:func:`_key`)
         self.key = key = _key(p, states)
-        # when the parameter or the first state dies; the registry is bound, not looked up: at interpreter
-        # exit the callback may run after this module's globals are gone
-        forget = functools.partial(_forget, _PREPARED, key, self)
+        # when the parameter or a state dies; the registry is bound, not looked up: at interpreter exit the
+        # callback may run after this module's globals are gone. The callback holds this call weakly: no
+        # reference cycle, so a call the registry drops is freed at once (with what it holds: an inductor
+        # call's views keep its tensors' storage alive), not at a later garbage collection
+        forget = functools.partial(_forget, _PREPARED, key, weakref.ref(self))
         self.param = weakref.ref(p, forget)
         self.states = tuple(weakref.ref(s, forget) for s in states)
         self.p_ptr, self.p_dtype, self.device = p.data_ptr(), p.dtype, p.device
@@ -174,9 +176,10 @@ def _key(p: Tensor, states: Sequence[Tensor]) -> tuple[int, int]:
     return id(p), id(states[0]) if states else 0
 
 
-def _forget(registry: dict, key: tuple[int, int], call: PreparedUpdate, _ref: weakref.ref) -> None:
-    """The parameter or first state of ``call`` died: drop its entry (unless a newer call owns the key)."""
-    if registry.get(key) is call:
+def _forget(registry: dict, key: tuple[int, int], call: weakref.ref, _ref: weakref.ref) -> None:
+    """The parameter or a state of ``call()`` died: drop its entry (unless a newer call owns the key)."""
+    live = call()
+    if live is not None and registry.get(key) is live:
         del registry[key]
 
 
