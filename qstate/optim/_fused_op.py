@@ -38,9 +38,8 @@ from .. import _splitmix64 as splitmix64
 from .._library import LIBRARY, fused_update, hyper_tensor, states_per_param
 from ..dtensor_rules._fused_ops import shards_of
 from ..ops import register
-from . import _cpu_kernel
+from . import _cpu_kernel, _prepared
 from ._kernels import KernelSpec, fusable, run_fused
-from . import _prepared
 from ._prepared import PendingCalls, PreparedUpdate
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -109,7 +108,7 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     DTensor's handler calls it on the local shards directly where re-dispatching the op would
     reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
     may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are
-(a prepared inductor-kernel call makes a CPU tensor of them).
+    (a prepared inductor-kernel call makes a CPU tensor of them).
     With ``sr_keys`` each parameter's draws follow its key and each element's place in the full tensor,
     in the fused kernels and op by op alike (a kind without stochastic rounding raises before anything
     is written)."""

@@ -72,10 +72,9 @@ from ..distributed import is_dtensor, is_quantized_state
 from .. import _splitmix64 as splitmix64
 from ..dtensor_rules._fused_ops import (LayoutMismatch, call_fused_update, flat_start, handler_is_reached,
                                         layout_mismatch, shards_of)
-from . import _cpu_kernel
+from . import _cpu_kernel, _prepared
 from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
 from ._kernels import KernelSpec, fusable, run_fused
-from . import _prepared
 from ._prepared import PendingCalls
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
