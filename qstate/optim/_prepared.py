@@ -166,7 +166,7 @@ class PendingCalls:
         self.params.clear()
 
 
-#: (id(parameter), id(first state)) -> PreparedUpdate (weakly held tensors; an entry leaves with either)
+#: (id(parameter), id(first state)) -> PreparedUpdate (weakly held tensors; an entry leaves with any of them)
 _PREPARED: dict[tuple[int, int], PreparedUpdate] = {}
 
 

@@ -38,6 +38,7 @@ from ..formats._rounding import MASK32
 
 __all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
+
 def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     """``x`` (float32) rounded stochastically to bfloat16, unbiased: with ``draws`` (integers in
     ``[0, 2**16)`` of ``x``'s shape, e.g. :func:`position_draws`), else from the default generator."""

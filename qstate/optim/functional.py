@@ -247,12 +247,10 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             # of ranks; elsewhere the DTensor's op-by-op path draws the same way (qstate::flat_index_like
             # gives each shard its elements' global indices).
             st = list(st)
-            all_dtensors = is_dtensor(g) and all(is_dtensor(x) for x in st)
-            # small: from the global size, the same choice on every rank
-            small = all_dtensors and _small_eager(rule, static, p, g, st, sr)[0]
-            if not all_dtensors or (sr and not _shards_draw_by_place(p, g, st)):
+            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)) or (sr and not _shards_draw_by_place(p, g, st)):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
                 continue
+            small, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
             key = (small, step, p.device, sr)
             batch = batches.get(key)
             if batch is None:
