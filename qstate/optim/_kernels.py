@@ -379,7 +379,11 @@ class PreparedKernelCall(PreparedUpdate):
     once a tensor it holds is no longer the parameter's or a state's: :meth:`PreparedUpdate.valid`).
     """
 
-    __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran")
+    __slots__ = ("spec", "fn", "args", "place_at", "space", "unit", "row_len", "scales", "odd_nibbles", "ran")
+
+    # the kernel's arguments: ``(param, grad, hyper, [block limits,] place, *states)`` (block limits for
+    # quantized kinds); a call fills the gradient, the scalars and a ``param_sr`` kind's place
+    _GRAD_AT, _HYPER_AT = 1, 2
 
     def __init__(self, spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
         super().__init__(spec, p, g, states, start)
@@ -401,12 +405,14 @@ class PreparedKernelCall(PreparedUpdate):
                 flat += [space.view(s.codes, self.unit * codec.fmt.bits // 8, True), self.scales[-1], *codec.tables]
             self.args = [space.view(p.detach(), self.unit, True, split=True), None, None,
                          _block_limits(q0.rows, q0.row_len, self.unit, p.device), place, *flat]
+            self.place_at = 4
             # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
             self.odd_nibbles = tuple(i for i, s in enumerate(states) if s.fmt.bits == 4 and s.row_len % 2)
         else:
             n = (p.numel(),)
             self.unit, self.row_len, self.odd_nibbles = 0, p.numel(), ()
             self.args = [_alias(p.detach(), n), None, None, place, *[_alias(s, n) for s in states]]
+            self.place_at = 3
 
     def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
         return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(kind, p, g, states)
@@ -436,12 +442,12 @@ class PreparedKernelCall(PreparedUpdate):
         if space is not None:
             if self.ran:  # padded copies: the tensors may have been written since the last call
                 space.refresh()
-            args[1] = space.view(g, self.unit, False)
+            args[self._GRAD_AT] = space.view(g, self.unit, False)
         else:
-            args[1] = _alias(g, (g.numel(),))
-        args[2] = hyper
-        if self.sr:  # the place argument: after the block limits of quantized kinds
-            args[4 if space is not None else 3] = self._sr_place(key)
+            args[self._GRAD_AT] = _alias(g, (g.numel(),))
+        args[self._HYPER_AT] = hyper
+        if self.sr:
+            args[self.place_at] = self._sr_place(key)
         self.ran = True
         out = self.fn(*args)
         if space is not None:
