@@ -17,6 +17,15 @@ slowly drifting, values).
 
     python benchmarks/bench_kernel_ab.py --dump /tmp/a.c [--format 8bit]
     python benchmarks/bench_kernel_ab.py /tmp/a.c /tmp/b.c [--numel 1M] [--threads 2] [--calls 200]
+
+``--phases`` times, interleaved the same way, the kernel of ``--format``'s
+kind against two variants of its own source that drop work, and torch's
+fused AdamW step on the same weight: without the states' encodes (new scales
+written, codes not), and without the decodes as well (the states read as
+constants). Both variants compute wrong states; they only measure where the
+step's time goes against the fused step's, the issue-5 target's reference:
+
+    python benchmarks/bench_kernel_ab.py --phases [--format 8bit] [--threads 1]
 """
 
 from __future__ import annotations
@@ -87,6 +96,57 @@ def _load(source: Path, out_dir: Path) -> ctypes.CDLL:
     return dll
 
 
+#: ``--phases`` variants: (name, [(anchor, replacement)]) applied to the configured source in order; each
+#: anchor must occur exactly once (the kernel's source changed otherwise: update them)
+_PHASES = (
+    ("without the encodes", [
+        # ENCODE_BLOCKS: every block's scale is stored, then the block's codes are skipped
+        ("st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;",
+         "st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale; if (1) continue;"),
+    ]),
+    ("without the encodes and decodes", [
+        ("st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;",
+         "st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale; if (1) continue;"),
+        # DECODE_GROUP: a quantized state's values are a constant times its scale
+        ("} else if (S##i##_BITS == 8) {",
+         "} else if (1) { for (int64_t q_ = 0; q_ < n; q_++) vals##i[q_] = 0.01f * sc; } else if (S##i##_BITS == 8) {"),
+    ]),
+)
+
+
+def _phase_source(source: str, edits: list[tuple[str, str]]) -> str:
+    for anchor, replacement in edits:
+        if source.count(anchor) != 1:
+            raise SystemExit(f"--phases: {anchor!r} occurs {source.count(anchor)} times in update_kernel.c, "
+                             f"expected once; update _PHASES")
+        source = source.replace(anchor, replacement)
+    return source
+
+
+def _fused_step(w: torch.Tensor):
+    """torch's fused AdamW step on a copy of ``w`` (and its gradient), after two warm-up steps."""
+    ref = torch.nn.Parameter(w.detach().clone())
+    ref.grad = w.grad.clone()
+    opt = torch.optim.AdamW([ref], lr=1e-3, fused=True)
+    opt.step()
+    opt.step()
+    return opt.step
+
+
+def _interleaved(calls: list, rounds: int) -> list[float]:
+    """Median seconds of each zero-argument call, timed call by call, the order reversing every round."""
+    seconds: list[list[float]] = [[] for _ in calls]
+    for call in calls:  # warm-up
+        call()
+    order = list(range(len(calls)))
+    for r in range(rounds):
+        for i in (order if r % 2 else order[::-1]):
+            start = time.perf_counter()
+            calls[i]()
+            seconds[i].append(time.perf_counter() - start)
+    return [statistics.median(s) for s in seconds]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sources", nargs="*", type=Path, help="two configured kernel sources (A, B)")
@@ -95,35 +155,60 @@ def main() -> None:
     ap.add_argument("--numel", default="1M")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--calls", type=int, default=200, help="calls of each kernel")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the kernel, its variants without encodes and decodes, and torch fused AdamW")
     args = ap.parse_args()
     w, states, spec = _setup(args.format, parse_size(args.numel))
+    configured = ck._config(spec, w.grad.dtype) + ck._SOURCE.read_text()
     if args.dump:
-        args.dump.write_text(ck._config(spec, w.grad.dtype) + ck._SOURCE.read_text())
+        args.dump.write_text(configured)
         print(f"wrote {args.dump} ({spec.tag()})")
+        return
+    if args.phases:
+        _run_phases(args, w, states, spec, configured)
         return
     if len(args.sources) != 2:
         ap.error("give two sources (or --dump FILE)")
     for source in args.sources:
         _check_layout(source, ck._config(spec, w.grad.dtype), args.format)
-    arr, rows, row_len = ck.state_slots(spec, w, states, [ck._table_pointers(e) for e in spec.states])
-    hyper = (ctypes.c_float * 9)(1e-3, 1.0, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.05, 10.0)
-    call_args = (ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w.grad.data_ptr()), arr, hyper,
-                 ctypes.c_int64(rows), ctypes.c_int64(row_len), ctypes.c_int(args.threads), ctypes.c_uint64(0),
-                 ctypes.c_int64(0))
+    call_args = _call_args(args, w, states, spec)
     with tempfile.TemporaryDirectory() as tmp:
         dlls = [_load(src, Path(tmp)) for src in args.sources]
-        for dll in dlls:  # warm-up
-            dll.qstate_update(*call_args)
-        seconds: list[list[float]] = [[], []]
-        for r in range(args.calls):
-            for i in ((0, 1) if r % 2 else (1, 0)):
-                start = time.perf_counter()
-                dlls[i].qstate_update(*call_args)
-                seconds[i].append(time.perf_counter() - start)
-    a, b = (1e3 * statistics.median(s) for s in seconds)
+        a, b = (1e3 * t for t in _interleaved([lambda d=d: d.qstate_update(*call_args) for d in dlls], args.calls))
     print(f"{spec.tag()}, {w.numel():,} elements, {args.threads} thread(s), median of {args.calls} calls each")
     print(f"  A {args.sources[0]}: {a:.3f} ms")
     print(f"  B {args.sources[1]}: {b:.3f} ms   B / A = {b / a:.3f}")
+
+
+
+def _call_args(args, w, states, spec) -> tuple:
+    """``qstate_update``'s arguments for the weight and its states (AdamW's scalars, no stochastic rounding)."""
+    arr, rows, row_len = ck.state_slots(spec, w, states, [ck._table_pointers(e) for e in spec.states])
+    hyper = (ctypes.c_float * 9)(1e-3, 1.0, 0.9, 0.999, 1e-8, 0.01, 0.1, 0.05, 10.0)
+    return (ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(w.grad.data_ptr()), arr, hyper,
+            ctypes.c_int64(rows), ctypes.c_int64(row_len), ctypes.c_int(args.threads), ctypes.c_uint64(0),
+            ctypes.c_int64(0))
+
+
+def _run_phases(args, w, states, spec, configured: str) -> None:
+    """``--phases``: the kernel and its variants (:data:`_PHASES`) against torch's fused AdamW step."""
+    torch.set_num_threads(args.threads)
+    names = ["kernel", *(name for name, _ in _PHASES)]
+    sources = [configured, *(_phase_source(configured, edits) for _, edits in _PHASES)]
+    call_args = _call_args(args, w, states, spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        dlls = []
+        for k, text in enumerate(sources):
+            path = Path(tmp) / f"phase{k}.c"
+            path.write_text(text)
+            dlls.append(_load(path, Path(tmp)))
+        calls = [lambda d=d: d.qstate_update(*call_args) for d in dlls]
+        *kernels, fused = _interleaved([*calls, _fused_step(w)], args.calls)
+    print(f"{spec.tag()}, {w.numel():,} elements, {args.threads} thread(s), median of {args.calls} calls each; "
+          f"torch fused AdamW: {1e3 * fused:.3f} ms")
+    width = max(len(n) for n in names)
+    for name, t in zip(names, kernels):
+        print(f"  {name:<{width}}  {1e3 * t:7.3f} ms  {t / fused:5.2f}x fused")
 
 
 if __name__ == "__main__":
