@@ -141,11 +141,12 @@ def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
 
 def check_prepared_calls_equal_the_full_path_on_cuda() -> None:
     # later steps reuse each parameter's prepared inductor call (argument views, padded copies refreshed
-    # for rows that are not whole blocks, a new stochastic-rounding place each step): the same bits as
-    # steps that forget every prepared call and rebuild the arguments
+    # for rows that are not whole blocks, a new stochastic-rounding place each step; without stochastic
+    # rounding, the calls run as one batch over concatenated copies): the same bits as steps that forget
+    # every prepared call and rebuild the arguments
     from qstate.optim import _prepared
 
-    for fmt, dtype in (("8bit", torch.bfloat16), ("4bit", torch.float32)):
+    for fmt, dtype in (("8bit", torch.bfloat16), ("8bit", torch.float32), ("4bit", torch.float32)):
         runs = []
         for reuse in (True, False):
             torch.manual_seed(0)

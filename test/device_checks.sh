@@ -6,7 +6,8 @@
 # WHEEL_DIR: wheels to install first (the GPU image has no expecttest, which test_cpu_kernel.py imports).
 # Runs the CUDA checks and a CUDA step benchmark on one half of the CPUs while the other half builds the C
 # kernel natively and without its vector paths (equal bits; AVX-512 VBMI on that machine's Xeon), then the
-# CPU step benchmark at two threads. About 4-5 minutes; logs and JSON under $OUT (or /tmp/device_checks).
+# per-parameter cost of many parameters' calls on CUDA (bench_call_overhead: batches of small parameters'
+# calls since the fifteenth session). About 4-5 minutes; logs and JSON under $OUT (or /tmp/device_checks).
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
@@ -33,6 +34,8 @@ taskset -c "0-$(( half - 1 ))" timeout 150 python3 benchmarks/bench_step.py --de
 wait
 echo "== C kernel: native build against builds without AVX-512 / AVX2"
 tail -3 "$out/vector_paths.log"
-echo "== bench_step (CPU, two threads)"
-OMP_NUM_THREADS=2 taskset -c 0,1 timeout 120 python3 benchmarks/bench_step.py --sizes 1M,16M,64M \
-    --only 8bit,4bit,fp8 --skip inductor,eager --repeats 11 --out "$out/cpu" | grep -A40 "^1M:"
+for shape in 1024x1024 256x640; do
+    echo "== bench_call_overhead --device cuda --shape $shape"
+    timeout 120 python3 benchmarks/bench_call_overhead.py --device cuda --params 64 --shape $shape --repeats 9 \
+        --out "$out/calls_$shape" | tail -5
+done

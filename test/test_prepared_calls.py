@@ -393,3 +393,80 @@ def test_a_dropped_call_is_freed_without_a_garbage_collection():
             assert call() is None
         finally:
             gc.enable()
+
+
+#: quantized states' parameters: padded and odd rows, 1-D, 3-D; the last is past the CPU's batch limit
+_QUANTIZED_SHAPES = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100), (1000,), (256, 256), (300, 300)]
+#: plain states' (smaller ones run eagerly: functional.SMALL_PLAIN_NUMEL)
+_PLAIN_SHAPES = [(256, 256), (65536,), (2, 128, 256), (300, 300)]
+_BATCH_CASES = {
+    # (optimizer, its arguments, parameter dtype, shapes)
+    "adamw 8bit": (AdamW, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
+    "adamw 4bit amsgrad": (AdamW, dict(state_format="4bit", amsgrad=True), torch.float32, _QUANTIZED_SHAPES),
+    "adamw fp8 bf16 params": (AdamW, dict(state_format="fp8"), torch.bfloat16, _QUANTIZED_SHAPES),
+    "lion 8bit": (qstate.optim.Lion, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
+    "adamw fp32 states": (AdamW, dict(state_format="fp32"), torch.float32, _PLAIN_SHAPES),
+    "sgd bf16 states": (qstate.optim.SGD, dict(state_format="bf16", momentum=0.9), torch.bfloat16, _PLAIN_SHAPES),
+}
+
+
+@pytest.mark.parametrize("case", list(_BATCH_CASES))
+def test_inductor_calls_in_batches_equal_the_calls_one_by_one(case, monkeypatch):
+    # small parameters' prepared inductor calls of one kind run as one kernel call over concatenated
+    # copies (_kernels._run_batch): the same bits as one call per parameter, and no graph of their own
+    opt_cls, kwargs, dtype, shapes = _BATCH_CASES[case]
+    batched = []
+    run_batch = _kernels.PreparedKernelCall._run_batch
+
+    def counting(calls, *args):
+        batched.append(len(calls))
+        run_batch(calls, *args)
+
+    monkeypatch.setattr(_kernels.PreparedKernelCall, "_run_batch", staticmethod(counting))
+    runs = []
+    with cpu_kernel_enabled(False):
+        for limits in ({}, _kernels._BATCH_LIMITS):  # one by one first: it compiles the kinds' graphs
+            monkeypatch.setattr(_kernels, "_BATCH_LIMITS", limits)
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+            opt = opt_cls(ps, lr=1e-2, weight_decay=0.1, min_quantize_numel=512, **kwargs)
+            for step in range(3):
+                gen = torch.Generator().manual_seed(step)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                opt.step()
+            runs.append((ps, opt))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the batches compiled nothing
+    # steps 2 and 3 reuse the calls; (300, 300) is past the CPU's batch limit and runs on its own (and
+    # a small quantized parameter may run eagerly, without a call: functional._small_eager)
+    calls = [c for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)]
+    assert len(calls) >= len(shapes) - 1 and batched == [len(calls) - 1] * 2
+    (ref_ps, ref), (ps, opt) = runs
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+        for name, s in opt.state[p].items():
+            r = ref.state[q][name]
+            if type(s) is qstate.QuantizedState:
+                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
+            else:
+                assert torch.equal(s, r), name
+
+
+def test_batches_close_at_the_devices_limits(monkeypatch):
+    # _kernels._batches: a call past the largest parameter runs alone, a batch closes before it would pass
+    # the most elements, a stochastically rounding kind or a device type without limits runs call by call
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_kernels, "_BATCH_LIMITS", {"cpu": (100, 250)})
+
+    def calls(sizes, device="cpu", sr=False):
+        return [SimpleNamespace(rows_n=n, unit=0, sr=sr, device=torch.device(device)) for n in sizes]
+
+    assert _kernels._batches(calls([50, 120, 60, 100, 90, 10, 1])) == [[1], [0, 2, 3], [4, 5, 6]]
+    assert _kernels._batches(calls([50, 60], sr=True)) == [[0], [1]]
+    assert _kernels._batches(calls([50, 60], device="meta")) == [[0], [1]]
+    assert _kernels._batches(calls([50])) == [[0]]
+    # quantized calls count their block rows' elements, padding included
+    quantized = [SimpleNamespace(rows_n=2, unit=64, sr=False, device=torch.device("cpu")) for _ in range(3)]
+    assert _kernels._batches(quantized) == [[0], [1], [2]]

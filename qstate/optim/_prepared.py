@@ -23,8 +23,9 @@ an entry leaves it with its parameter or any of its states
 
 Running: :class:`PendingCalls` collects a step's valid calls and runs them
 per kernel (:meth:`PreparedUpdate.run_group`): the C kernel's as one C call
-over all of them, the inductor kernel's one after another under one entry of
-its compile settings.
+over all of them, the inductor kernel's under one entry of its compile
+settings, those of small parameters as one kernel call per batch over
+concatenated copies (:meth:`._kernels.PreparedKernelCall.run_group`).
 """
 
 from __future__ import annotations
