@@ -405,6 +405,11 @@ _BATCH_CASES = {
     "adamw 4bit amsgrad": (AdamW, dict(state_format="4bit", amsgrad=True), torch.float32, _QUANTIZED_SHAPES),
     "adamw fp8 bf16 params": (AdamW, dict(state_format="fp8"), torch.bfloat16, _QUANTIZED_SHAPES),
     "lion 8bit": (qstate.optim.Lion, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
+    # stochastic rounding of the parameter: each block row draws under its own parameter's key
+    "adamw 8bit bf16 sr": (AdamW, dict(state_format="8bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
+                           _QUANTIZED_SHAPES),
+    "adamw 4bit bf16 sr": (AdamW, dict(state_format="4bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
+                           _QUANTIZED_SHAPES),
     "adamw fp32 states": (AdamW, dict(state_format="fp32"), torch.float32, _PLAIN_SHAPES),
     "sgd bf16 states": (qstate.optim.SGD, dict(state_format="bf16", momentum=0.9), torch.bfloat16, _PLAIN_SHAPES),
 }
@@ -455,18 +460,21 @@ def test_inductor_calls_in_batches_equal_the_calls_one_by_one(case, monkeypatch)
 
 def test_batches_close_at_the_devices_limits(monkeypatch):
     # _kernels._batches: a call past the largest parameter runs alone, a batch closes before it would pass
-    # the most elements, a stochastically rounding kind or a device type without limits runs call by call
+    # the most elements; a plain kind that rounds the parameter stochastically (its draws are placed per
+    # call, not per block row) or a device type without limits runs call by call
     from types import SimpleNamespace
 
     monkeypatch.setattr(_kernels, "_BATCH_LIMITS", {"cpu": (100, 250)})
 
-    def calls(sizes, device="cpu", sr=False):
-        return [SimpleNamespace(rows_n=n, unit=0, sr=sr, device=torch.device(device)) for n in sizes]
+    def calls(sizes, device="cpu", sr=False, unit=0):
+        rows = torch.zeros(1) if unit else None  # a quantized param_sr call's block rows' places
+        return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, row_starts=rows, device=torch.device(device))
+                for n in sizes]
 
     assert _kernels._batches(calls([50, 120, 60, 100, 90, 10, 1])) == [[1], [0, 2, 3], [4, 5, 6]]
     assert _kernels._batches(calls([50, 60], sr=True)) == [[0], [1]]
     assert _kernels._batches(calls([50, 60], device="meta")) == [[0], [1]]
     assert _kernels._batches(calls([50])) == [[0]]
     # quantized calls count their block rows' elements, padding included
-    quantized = [SimpleNamespace(rows_n=2, unit=64, sr=False, device=torch.device("cpu")) for _ in range(3)]
-    assert _kernels._batches(quantized) == [[0], [1], [2]]
+    assert _kernels._batches(calls([2, 2, 2], unit=64)) == [[0], [1], [2]]
+    assert _kernels._batches(calls([1, 1, 1], unit=64, sr=True)) == [[0, 1, 2]]

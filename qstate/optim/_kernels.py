@@ -175,7 +175,8 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
-        # place (param_sr kinds; else unused): int64 [key, first flat index, row length]
+        # place (param_sr kinds; else unused): int64 [N, 2], each block row's draw key and the flat index
+        # of its first element in its full tensor (per row: a batch's rows are several parameters')
         rows, nb = p.shape[0], p.shape[1]
         n = rows * nb
         p = p.view(n, unit)
@@ -208,11 +209,9 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
             codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding).view(n, unit)))
             new_scales.append(new_scale)
         draws = None
-        if spec.param_sr:  # block row i = (r, b) holds the row's columns b * unit ..: flat r * row_len + column
-            block_row = torch.arange(n, dtype=torch.int64, device=p.device)
-            first = place[1] + (block_row // nb) * place[2] + (block_row % nb) * unit
-            draws = position_draws(place[0], first.view(n, 1) + torch.arange(unit, dtype=torch.int64,
-                                                                               device=p.device))
+        if spec.param_sr:
+            draws = position_draws(place[:, 0].view(n, 1), place[:, 1].view(n, 1)
+                                   + torch.arange(unit, dtype=torch.int64, device=p.device))
         # padding keeps its value (which also keeps this write in the loops over blocks)
         store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round, draws)
         # returned, not written: the old scales are still being read (the caller copies them)
@@ -385,7 +384,7 @@ class PreparedKernelCall(PreparedUpdate):
     """
 
     __slots__ = ("spec", "fn", "args", "place_at", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
-                 "rows_n", "data_at", "scale_at", "data_rows")
+                 "rows_n", "data_at", "scale_at", "data_rows", "row_starts")
 
     # the kernel's arguments: ``(param, grad, hyper, [block limits,] place, *states)`` (block limits for
     # quantized kinds); a call fills the gradient, the scalars and a ``param_sr`` kind's place
@@ -416,6 +415,9 @@ class PreparedKernelCall(PreparedUpdate):
                          _block_limits(q0.rows, q0.row_len, self.unit, p.device), place, *flat]
             self.place_at = 4
             self.rows_n = q0.rows * space.nb
+            # a param_sr kind's block rows' first flat indices (block row (r, b): r * row_len + b * unit)
+            self.row_starts = (start + torch.arange(q0.rows, dtype=torch.int64).view(-1, 1) * q0.row_len
+                               + torch.arange(space.nb, dtype=torch.int64) * self.unit).view(-1) if self.sr else None
             # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
             self.odd_nibbles = tuple(i for i, s in enumerate(states) if s.fmt.bits == 4 and s.row_len % 2)
         else:
@@ -424,6 +426,7 @@ class PreparedKernelCall(PreparedUpdate):
             self.args = [_alias(p.detach(), n), None, None, place, *[_alias(s, n) for s in states]]
             self.place_at = 3
             self.rows_n, self.data_at, self.scale_at = p.numel(), [0, *range(4, 4 + len(states))], []
+            self.row_starts = None
         # the arguments a batch concatenates and writes back (_run_batch), by block-space rows
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
@@ -452,7 +455,7 @@ class PreparedKernelCall(PreparedUpdate):
             for batch in _batches(calls):
                 if len(batch) > 1:
                     cls._run_batch([calls[i] for i in batch], [params[i] for i in batch],
-                                   [grads[i] for i in batch], hyper)
+                                   [grads[i] for i in batch], hyper, [keys[i] for i in batch])
                 else:
                     i = batch[0]
                     calls[i]._run(params[i], grads[i], hyper, keys[i])
@@ -476,11 +479,12 @@ class PreparedKernelCall(PreparedUpdate):
 
     @staticmethod
     def _run_batch(calls: Sequence["PreparedKernelCall"], params: Sequence[Tensor], grads: Sequence[Tensor],
-                   hyper: Tensor) -> None:
-        """Calls of one kind without stochastic rounding of the parameter as one kernel call over
-        concatenated copies of their tensors' block-space rows (1-D elements for plain kinds), copied back
-        after it: what the calls give one by one, bit for bit (every block row's update reads that row
-        and the scalars only), for one call's Python and dynamo cost instead of one per parameter."""
+                   hyper: Tensor, keys: Sequence[int]) -> None:
+        """Calls of one kind as one kernel call over concatenated copies of their tensors' block-space rows
+        (1-D elements for plain kinds), copied back after it: what the calls give one by one, bit for bit
+        (every block row's update reads that row, its place and the scalars only), for one call's Python
+        and dynamo cost instead of one per parameter. A ``param_sr`` kind's rows draw under their own
+        parameter's key (``keys``) by their place in it (quantized kinds only: :func:`_batches`)."""
         first = calls[0]
         sizes = [c.rows_n for c in calls]
         args = list(first.args)  # the shared ones: the tables and the (unread) place
@@ -495,6 +499,8 @@ class PreparedKernelCall(PreparedUpdate):
             args[at] = torch.cat([c.args[at] for c in calls])
         args[first._GRAD_AT] = torch.cat([c._grad_rows(g) for c, g in zip(calls, grads)])
         args[first._HYPER_AT] = hyper
+        if first.sr:
+            args[first.place_at] = _row_places(calls, keys, first.device)
         if first.space is not None:
             args[3] = torch.cat([c.args[3] for c in calls])  # the block limits
             # the kernel's parameter argument is [R, NB, unit]: one row of every call's block rows
@@ -533,10 +539,13 @@ class PreparedKernelCall(PreparedUpdate):
                 self.states[i]().codes[:, -1] &= 0x0F
 
     def _sr_place(self, key: int) -> Tensor:
-        """``[key, start, row_len]`` on the device: what the draws hash (:func:`._rounding.position_draws`)."""
-        place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), self.start, self.row_len],
-                             dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        return place.to(self.device, non_blocking=True)  # pinned: the copy does not wait for the stream
+        """The kernel's ``place`` on the device: what the draws hash (:func:`._rounding.position_draws`);
+        ``[key, start, row_len]`` for plain kinds, per block row ``[key, first flat index]`` for quantized ones."""
+        if self.row_starts is None:
+            place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), self.start, self.row_len],
+                                 dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            return place.to(self.device, non_blocking=True)  # pinned: the copy does not wait for the stream
+        return _row_places([self], [key], self.device)
 
 
 #: per device type, the largest parameter (elements, padding included) whose prepared calls run in batches
@@ -549,10 +558,11 @@ _BATCH_LIMITS: dict[str, tuple[int, int]] = {"cpu": (1 << 16, 1 << 20), "cuda": 
 
 def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     """Indices of ``calls`` (one kind) by how they run: lists of at least two (:meth:`_run_batch`), or one.
-    A call joins a batch if its parameter is at most the device's limit (:data:`_BATCH_LIMITS`) and not
-    stochastically rounded (its draws' place is per call); a batch closes at the device's size limit."""
+    A call joins a batch if its parameter is at most the device's limit (:data:`_BATCH_LIMITS`) and its
+    kind's draws, if it rounds the parameter stochastically, are placed per block row (quantized kinds; a
+    plain kind's are per call); a batch closes at the device's size limit."""
     limits = _BATCH_LIMITS.get(calls[0].device.type) if calls else None
-    if limits is None or calls[0].sr or len(calls) < 2:
+    if limits is None or (calls[0].sr and calls[0].row_starts is None) or len(calls) < 2:
         return [[i] for i in range(len(calls))]
     largest, most = limits
     out, batch, size = [], [], 0
@@ -569,6 +579,21 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     if batch:
         out.append(batch)
     return out
+
+
+def _row_places(calls: Sequence[PreparedKernelCall], keys: Sequence[int], device: torch.device) -> Tensor:
+    """The quantized kernel's ``place`` for the block rows of ``calls`` (concatenated), each call's under its
+    key: ``[N, 2]`` int64 ``(key, first flat index)``, built on the host and copied from pinned memory (a new
+    buffer each time: the copy is asynchronous)."""
+    starts = calls[0].row_starts if len(calls) == 1 else torch.cat([c.row_starts for c in calls])
+    place = torch.empty((starts.shape[0], 2), dtype=torch.int64, pin_memory=device.type == "cuda")
+    place[:, 1] = starts
+    if len(calls) == 1:
+        place[:, 0] = splitmix64.as_int64(keys[0] & splitmix64.MASK64)
+    else:
+        place[:, 0] = torch.tensor([splitmix64.as_int64(k & splitmix64.MASK64) for k in keys]).repeat_interleave(
+            torch.tensor([c.rows_n for c in calls]))
+    return place.to(device, non_blocking=True)
 
 
 def _no_place(device: torch.device) -> Tensor:
