@@ -467,9 +467,8 @@ def test_batches_close_at_the_devices_limits(monkeypatch):
     monkeypatch.setattr(_kernels, "_BATCH_LIMITS", {"cpu": (100, 250)})
 
     def calls(sizes, device="cpu", sr=False, unit=0):
-        rows = torch.zeros(1) if unit else None  # a quantized param_sr call's block rows' places
-        return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, row_starts=rows, device=torch.device(device))
-                for n in sizes]
+        space = object() if unit else None  # a quantized kind's block space
+        return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, space=space, device=torch.device(device)) for n in sizes]
 
     assert _kernels._batches(calls([50, 120, 60, 100, 90, 10, 1])) == [[1], [0, 2, 3], [4, 5, 6]]
     assert _kernels._batches(calls([50, 60], sr=True)) == [[0], [1]]

@@ -171,12 +171,14 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
     unit = _block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
-    def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, place: Tensor, *flat: Tensor) -> list[Tensor]:
+    def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, place: Tensor, keys: Tensor,
+               *flat: Tensor) -> list[Tensor]:
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
-        # place (param_sr kinds; else unused): int64 [N, 2], each block row's draw key and the flat index
-        # of its first element in its full tensor (per row: a batch's rows are several parameters')
+        # place, keys (param_sr kinds; else unused): int64 [N, 2], each block row's index into keys (its
+        # parameter's draw key: a batch's rows are several parameters') and the flat index of its first
+        # element in its full tensor
         rows, nb = p.shape[0], p.shape[1]
         n = rows * nb
         p = p.view(n, unit)
@@ -210,7 +212,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
             new_scales.append(new_scale)
         draws = None
         if spec.param_sr:
-            draws = position_draws(place[:, 0].view(n, 1), place[:, 1].view(n, 1)
+            draws = position_draws(keys[place[:, 0]].view(n, 1), place[:, 1].view(n, 1)
                                    + torch.arange(unit, dtype=torch.int64, device=p.device))
         # padding keeps its value (which also keeps this write in the loops over blocks)
         store_param(p, torch.where(valid, p_new, p.float()), spec.stochastic_round, draws)
@@ -383,20 +385,20 @@ class PreparedKernelCall(PreparedUpdate):
     once a tensor it holds is no longer the parameter's or a state's: :meth:`PreparedUpdate.valid`).
     """
 
-    __slots__ = ("spec", "fn", "args", "place_at", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
-                 "rows_n", "data_at", "scale_at", "data_rows", "row_starts")
+    __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
+                 "rows_n", "data_at", "scale_at", "data_rows")
 
-    # the kernel's arguments: ``(param, grad, hyper, [block limits,] place, *states)`` (block limits for
-    # quantized kinds); a call fills the gradient, the scalars and a ``param_sr`` kind's place
-    _GRAD_AT, _HYPER_AT = 1, 2
+    # the kernel's arguments: ``(param, grad, hyper, place, *states)`` for plain kinds, ``(param, grad,
+    # hyper, block limits, place, keys, *states)`` for quantized ones; a call fills the gradient, the
+    # scalars and a ``param_sr`` kind's key (plain kinds: in its place)
+    _GRAD_AT, _HYPER_AT, _PLAIN_PLACE_AT, _LIMITS_AT, _PLACE_AT, _KEYS_AT = 1, 2, 3, 3, 4, 5
 
     def __init__(self, spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
         super().__init__(spec, p, g, states, start)
         self.spec, self.fn = spec, get_kernel(spec, p.device)
         self.space: Optional[_BlockSpace] = None
         self.scales: list[Tensor] = []
-        # the kernel's ``place``: per call for a ``param_sr`` kind (its key), else a constant it does not read
-        place = None if spec.param_sr else _no_place(p.device)
+        unread = _no_place(p.device)  # the place and keys of kinds without parameter stochastic rounding
         self.ran = False  # padded copies are fresh before the first call
         if spec.quantized:
             q0 = states[0]
@@ -408,25 +410,20 @@ class PreparedKernelCall(PreparedUpdate):
             for s in states:
                 codec = get_codec(s.format, s.signed, p.device)
                 self.scales.append(space.view(s.scale, self.unit // s.block_size, True))
-                self.data_at.append(5 + len(flat))
-                self.scale_at.append(6 + len(flat))
+                self.data_at.append(6 + len(flat))
+                self.scale_at.append(7 + len(flat))
                 flat += [space.view(s.codes, self.unit * codec.fmt.bits // 8, True), self.scales[-1], *codec.tables]
-            self.args = [space.view(p.detach(), self.unit, True, split=True), None, None,
-                         _block_limits(q0.rows, q0.row_len, self.unit, p.device), place, *flat]
-            self.place_at = 4
             self.rows_n = q0.rows * space.nb
-            # a param_sr kind's block rows' first flat indices (block row (r, b): r * row_len + b * unit)
-            self.row_starts = (start + torch.arange(q0.rows, dtype=torch.int64).view(-1, 1) * q0.row_len
-                               + torch.arange(space.nb, dtype=torch.int64) * self.unit).view(-1) if self.sr else None
+            place = _row_place(start, q0.rows, q0.row_len, self.unit, p.device) if self.sr else unread
+            self.args = [space.view(p.detach(), self.unit, True, split=True), None, None,
+                         _block_limits(q0.rows, q0.row_len, self.unit, p.device), place, unread, *flat]
             # an odd 4-bit row ends with a zero high nibble (the kernel wrote a padding code)
             self.odd_nibbles = tuple(i for i, s in enumerate(states) if s.fmt.bits == 4 and s.row_len % 2)
         else:
             n = (p.numel(),)
             self.unit, self.row_len, self.odd_nibbles = 0, p.numel(), ()
-            self.args = [_alias(p.detach(), n), None, None, place, *[_alias(s, n) for s in states]]
-            self.place_at = 3
+            self.args = [_alias(p.detach(), n), None, None, unread, *[_alias(s, n) for s in states]]
             self.rows_n, self.data_at, self.scale_at = p.numel(), [0, *range(4, 4 + len(states))], []
-            self.row_starts = None
         # the arguments a batch concatenates and writes back (_run_batch), by block-space rows
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
@@ -468,8 +465,10 @@ class PreparedKernelCall(PreparedUpdate):
         else:
             args[self._GRAD_AT] = _alias(g, (g.numel(),))
         args[self._HYPER_AT] = hyper
-        if self.sr:
-            args[self.place_at] = self._sr_place(key)
+        if self.sr and self.space is None:
+            args[self._PLAIN_PLACE_AT] = self._plain_place(key)
+        elif self.sr:
+            args[self._KEYS_AT] = _host_to(torch.tensor([_as_key(key)], dtype=torch.int64), self.device)
         out = self.fn(*args)
         for scale, new_scale in zip(self.scales, out or ()):  # quantized kinds return the new scales
             scale.copy_(new_scale)
@@ -499,10 +498,10 @@ class PreparedKernelCall(PreparedUpdate):
             args[at] = torch.cat([c.args[at] for c in calls])
         args[first._GRAD_AT] = torch.cat([c._grad_rows(g) for c, g in zip(calls, grads)])
         args[first._HYPER_AT] = hyper
-        if first.sr:
-            args[first.place_at] = _row_places(calls, keys, first.device)
+        if first.sr:  # quantized (_batches): each row's index into the batch's keys
+            args[first._PLACE_AT], args[first._KEYS_AT] = _batch_place(calls, keys)
         if first.space is not None:
-            args[3] = torch.cat([c.args[3] for c in calls])  # the block limits
+            args[first._LIMITS_AT] = torch.cat([c.args[first._LIMITS_AT] for c in calls])
             # the kernel's parameter argument is [R, NB, unit]: one row of every call's block rows
             args[0] = _alias(args[0], (1, args[0].shape[0], first.unit))
             for at in (0, first._GRAD_AT, *first.data_at[1:], *first.scale_at):
@@ -538,14 +537,10 @@ class PreparedKernelCall(PreparedUpdate):
             for i in self.odd_nibbles:
                 self.states[i]().codes[:, -1] &= 0x0F
 
-    def _sr_place(self, key: int) -> Tensor:
-        """The kernel's ``place`` on the device: what the draws hash (:func:`._rounding.position_draws`);
-        ``[key, start, row_len]`` for plain kinds, per block row ``[key, first flat index]`` for quantized ones."""
-        if self.row_starts is None:
-            place = torch.tensor([splitmix64.as_int64(key & splitmix64.MASK64), self.start, self.row_len],
-                                 dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            return place.to(self.device, non_blocking=True)  # pinned: the copy does not wait for the stream
-        return _row_places([self], [key], self.device)
+    def _plain_place(self, key: int) -> Tensor:
+        """A plain kind's ``place`` on the device, ``[key, start, row_len]``: what the draws hash
+        (:func:`._rounding.position_draws`)."""
+        return _host_to(torch.tensor([_as_key(key), self.start, self.row_len], dtype=torch.int64), self.device)
 
 
 #: per device type, the largest parameter (elements, padding included) whose prepared calls run in batches
@@ -562,7 +557,7 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     kind's draws, if it rounds the parameter stochastically, are placed per block row (quantized kinds; a
     plain kind's are per call); a batch closes at the device's size limit."""
     limits = _BATCH_LIMITS.get(calls[0].device.type) if calls else None
-    if limits is None or (calls[0].sr and calls[0].row_starts is None) or len(calls) < 2:
+    if limits is None or (calls[0].sr and calls[0].space is None) or len(calls) < 2:
         return [[i] for i in range(len(calls))]
     largest, most = limits
     out, batch, size = [], [], 0
@@ -581,19 +576,37 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     return out
 
 
-def _row_places(calls: Sequence[PreparedKernelCall], keys: Sequence[int], device: torch.device) -> Tensor:
-    """The quantized kernel's ``place`` for the block rows of ``calls`` (concatenated), each call's under its
-    key: ``[N, 2]`` int64 ``(key, first flat index)``, built on the host and copied from pinned memory (a new
-    buffer each time: the copy is asynchronous)."""
-    starts = calls[0].row_starts if len(calls) == 1 else torch.cat([c.row_starts for c in calls])
-    place = torch.empty((starts.shape[0], 2), dtype=torch.int64, pin_memory=device.type == "cuda")
-    place[:, 1] = starts
-    if len(calls) == 1:
-        place[:, 0] = splitmix64.as_int64(keys[0] & splitmix64.MASK64)
-    else:
-        place[:, 0] = torch.tensor([splitmix64.as_int64(k & splitmix64.MASK64) for k in keys]).repeat_interleave(
-            torch.tensor([c.rows_n for c in calls]))
-    return place.to(device, non_blocking=True)
+def _as_key(key: int) -> int:
+    """A 64-bit draw key as the int64 the kernels take (its two's complement)."""
+    return splitmix64.as_int64(key & splitmix64.MASK64)
+
+
+def _host_to(t: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device``, through pinned memory on CUDA (the copy does not wait for the
+    stream; a new host tensor each time, so an earlier copy still in flight never sees it change)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _row_place(start: int, rows: int, row_len: int, unit: int, device: torch.device) -> Tensor:
+    """A quantized ``param_sr`` call's ``place``: ``[rows * nb, 2]`` int64, each block row's index into the
+    call's keys (0: its one key) and the flat index of its first element (block row (r, b) of a tensor
+    starting at ``start``: ``start + r * row_len + b * unit``), made once, on ``device``."""
+    nb = -(-row_len // unit)
+    first = (start + torch.arange(rows, dtype=torch.int64).view(-1, 1) * row_len
+             + torch.arange(nb, dtype=torch.int64) * unit).view(-1)
+    return torch.stack([torch.zeros_like(first), first], dim=1).to(device)
+
+
+def _batch_place(calls: Sequence[PreparedKernelCall], keys: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """The quantized kernel's ``place`` and ``keys`` for a batch of ``param_sr`` calls: their places
+    concatenated, each row's key index the position of its call, and the calls' keys."""
+    device = calls[0].device
+    place = torch.cat([c.args[PreparedKernelCall._PLACE_AT] for c in calls])
+    rows = _host_to(torch.tensor([c.rows_n for c in calls], dtype=torch.int64), device)
+    place[:, 0] = torch.repeat_interleave(torch.arange(len(calls), device=device), rows, output_size=len(place))
+    return place, _host_to(torch.tensor([_as_key(k) for k in keys], dtype=torch.int64), device)
 
 
 def _no_place(device: torch.device) -> Tensor:
