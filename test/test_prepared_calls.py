@@ -460,15 +460,17 @@ def test_inductor_calls_in_batches_equal_the_calls_one_by_one(case, monkeypatch)
 
 def test_batches_close_at_the_devices_limits(monkeypatch):
     # _kernels._batches: a call past the largest parameter runs alone, a batch closes before it would pass
-    # the most elements; a plain kind that rounds the parameter stochastically (its draws are placed per
-    # call, not per block row) or a device type without limits runs call by call
+    # the most elements; a gradient of another dtype than the first call's runs alone; a plain kind that
+    # rounds the parameter stochastically (its draws are placed per call, not per block row) or a device
+    # type without limits runs call by call
     from types import SimpleNamespace
 
     monkeypatch.setattr(_kernels, "_BATCH_LIMITS", {"cpu": (100, 250)})
 
-    def calls(sizes, device="cpu", sr=False, unit=0):
+    def calls(sizes, device="cpu", sr=False, unit=0, g_dtype=torch.float32):
         space = object() if unit else None  # a quantized kind's block space
-        return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, space=space, device=torch.device(device)) for n in sizes]
+        return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, space=space, device=torch.device(device), g_dtype=g_dtype)
+                for n in sizes]
 
     assert _kernels._batches(calls([50, 120, 60, 100, 90, 10, 1])) == [[1], [0, 2, 3], [4, 5, 6]]
     assert _kernels._batches(calls([50, 60], sr=True)) == [[0], [1]]
@@ -477,3 +479,6 @@ def test_batches_close_at_the_devices_limits(monkeypatch):
     # quantized calls count their block rows' elements, padding included
     assert _kernels._batches(calls([2, 2, 2], unit=64)) == [[0], [1], [2]]
     assert _kernels._batches(calls([1, 1, 1], unit=64, sr=True)) == [[0, 1, 2]]
+    mixed = calls([10, 10, 10])
+    mixed[1].g_dtype = torch.bfloat16
+    assert _kernels._batches(mixed) == [[1], [0, 2]]

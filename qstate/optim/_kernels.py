@@ -553,7 +553,8 @@ _BATCH_LIMITS: dict[str, tuple[int, int]] = {"cpu": (1 << 16, 1 << 20), "cuda": 
 
 def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     """Indices of ``calls`` (one kind) by how they run: lists of at least two (:meth:`_run_batch`), or one.
-    A call joins a batch if its parameter is at most the device's limit (:data:`_BATCH_LIMITS`) and its
+    A call joins a batch if its parameter is at most the device's limit (:data:`_BATCH_LIMITS`), its
+    gradient has the first call's dtype (the kind leaves it open; the kernel's graph does not) and its
     kind's draws, if it rounds the parameter stochastically, are placed per block row (quantized kinds; a
     plain kind's are per call); a batch closes at the device's size limit."""
     limits = _BATCH_LIMITS.get(calls[0].device.type) if calls else None
@@ -563,7 +564,7 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
     out, batch, size = [], [], 0
     for i, call in enumerate(calls):
         n = call.rows_n * (call.unit or 1)
-        if n > largest:
+        if n > largest or call.g_dtype is not calls[0].g_dtype:
             out.append([i])
             continue
         if batch and size + n > most:
