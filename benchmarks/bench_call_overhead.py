@@ -10,7 +10,13 @@ block space) steps with:
 * ``qstate <fmt> compiled, full path``: the same, with the prepared calls
   forgotten before each step (each update re-derives its kind, re-checks its
   states and rebuilds the kernel's arguments: what every step did before a
-  kernel prepared its calls).
+  kernel prepared its calls);
+* ``qstate <fmt> compiled, one call each`` (inductor kernel only): prepared
+  calls without batches (``_kernels._BATCH_LIMITS`` emptied around the step):
+  what the calls of small parameters cost before they ran in batches.
+
+``--bf16-sr``: qstate's weights in bfloat16 with ``bf16_stochastic_round=True``
+(torch fused stays on float32 weights, the issue-5 reference).
 
 On CPU ``--kernel c`` (default) steps the C kernel and ``--kernel inductor``
 the compiled inductor kernel (``cpu_kernel_enabled(False)``); with
@@ -20,7 +26,8 @@ ends with ``torch.cuda.synchronize()``. Timing: interleaved rounds, medians
 ``(step - fused step) / params``: the per-parameter cost beyond torch's.
 
     python benchmarks/bench_call_overhead.py [--device cpu|cuda] [--kernel c|inductor] [--params 64]
-                                             [--shape 1024x1024] [--formats 8bit] [--repeats 15] [--out DIR]
+                                             [--shape 1024x1024] [--formats 8bit] [--bf16-sr] [--repeats 15]
+                                             [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,18 +39,29 @@ import sys
 import torch
 
 from _common import RESULTS_DIR, environment, median_ms, parse_list, save_json, time_interleaved
-from qstate.optim import AdamW, cpu_kernel_enabled
+from qstate.optim import AdamW, _kernels, cpu_kernel_enabled
 from qstate.optim._prepared import clear_prepared_calls
 
 BASELINE = "torch fused"
 
 
-def _model(n: int, shape: tuple[int, ...], device: str) -> list[torch.nn.Parameter]:
+def _model(n: int, shape: tuple[int, ...], device: str, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for _ in range(n)]
+    ps = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device, dtype)) for _ in range(n)]
     for p in ps:
-        p.grad = (torch.randn(shape, generator=gen) * 1e-2).to(device)
+        p.grad = (torch.randn(shape, generator=gen) * 1e-2).to(device, dtype)
     return ps
+
+
+@contextlib.contextmanager
+def _one_call_each():
+    """Prepared inductor calls run one by one, not in batches, within the block."""
+    limits = _kernels._BATCH_LIMITS
+    _kernels._BATCH_LIMITS = {}
+    try:
+        yield
+    finally:
+        _kernels._BATCH_LIMITS = limits
 
 
 def main(argv: list[str]) -> None:
@@ -53,6 +71,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--params", type=int, default=64)
     ap.add_argument("--shape", default="1024x1024", help="each weight's shape, e.g. 1024x1024 or 64x640")
     ap.add_argument("--formats", default="8bit")
+    ap.add_argument("--bf16-sr", action="store_true", help="qstate's weights in bfloat16, stochastically rounded")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -63,17 +82,20 @@ def main(argv: list[str]) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     opts = {BASELINE: torch.optim.AdamW(_model(args.params, shape, args.device), lr=1e-3, fused=True)}
+    dtype = torch.bfloat16 if args.bf16_sr else torch.float32
+    variants = ["", ", full path"] + ([", one call each"] if kernel == "inductor" else [])
     for fmt in parse_list(args.formats):
-        opts[f"qstate {fmt} compiled"] = AdamW(_model(args.params, shape, args.device), lr=1e-3,
-                                               state_format=fmt, compile=True)
-        opts[f"qstate {fmt} compiled, full path"] = AdamW(_model(args.params, shape, args.device), lr=1e-3,
-                                                          state_format=fmt, compile=True)
+        for variant in variants:
+            opts[f"qstate {fmt} compiled{variant}"] = AdamW(
+                _model(args.params, shape, args.device, dtype), lr=1e-3, state_format=fmt, compile=True,
+                bf16_stochastic_round=args.bf16_sr)
 
     def stepper(name: str, opt: torch.optim.Optimizer):
         def step() -> None:
             if name.endswith("full path"):
                 clear_prepared_calls([p for group in opt.param_groups for p in group["params"]])
-            opt.step()
+            with _one_call_each() if name.endswith("one call each") else contextlib.nullcontext():
+                opt.step()
             sync()
         return step
 
@@ -84,7 +106,8 @@ def main(argv: list[str]) -> None:
             step()
         times = time_interleaved(steps, args.repeats)
     fused = median_ms(times[BASELINE])
-    print(f"{args.params} parameters of {list(shape)} on {args.device} ({kernel} kernel); "
+    print(f"{args.params} parameters of {list(shape)}{' bf16, stochastic rounding' if args.bf16_sr else ''} "
+          f"on {args.device} ({kernel} kernel); "
           f"ratios to torch fused fp32 AdamW")
     print(f"{'optimizer':34s} {'step ms':>8s} {'x fused':>8s} {'us/param over fused':>20s}")
     rows = {}
@@ -94,7 +117,7 @@ def main(argv: list[str]) -> None:
         rows[name] = {"step_ms": ms, "x_fused": ms / fused, "us_per_param_over_fused": over}
         print(f"{name:34s} {ms:8.3f} {ms / fused:8.2f} {over:20.1f}")
     save_json({"command": " ".join(sys.argv), "env": environment(), "device": args.device, "kernel": kernel,
-               "params": args.params, "shape": list(shape), "results": rows}, args.out, "bench_call_overhead.json")
+               "params": args.params, "shape": list(shape), "bf16_sr": args.bf16_sr, "results": rows}, args.out, "bench_call_overhead.json")
 
 
 if __name__ == "__main__":
