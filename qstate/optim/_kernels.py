@@ -176,9 +176,9 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
-        # place, keys (param_sr kinds; else unused): int64 [N, 2], each block row's index into keys (its
-        # parameter's draw key: a batch's rows are several parameters') and the flat index of its first
-        # element in its full tensor
+        # place, keys (param_sr kinds; else unused): place int64 [N, 2], each block row's index into keys
+        # (int64 [K]: draw keys, one per parameter; a batch's rows are several parameters') and the flat
+        # index of its first element in its full tensor
         rows, nb = p.shape[0], p.shape[1]
         n = rows * nb
         p = p.view(n, unit)
@@ -377,12 +377,13 @@ class PreparedKernelCall(PreparedUpdate):
     """One parameter's compiled-kernel update (:func:`run_fused`), ready to run again (:mod:`._prepared`).
 
     Holds the compiled kernel and its arguments but the gradient, the scalars and the stochastic-rounding
-    place: the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
+    keys (a plain kind's place, which holds its key): the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
     or for rows that are not a whole number of block units zero-padded copies, refreshed from the tensors
     before each reuse and written back after each call), the block limits and, for quantized states, the
     scales the kernel's new scales are copied into. A call keeps that storage alive until it leaves the
     registry (with its parameter or a state, or replaced by its parameter's next full path, which runs
     once a tensor it holds is no longer the parameter's or a state's: :meth:`PreparedUpdate.valid`).
+    A step's calls of one kind run together (:meth:`run_group`), those of small parameters in batches.
     """
 
     __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
