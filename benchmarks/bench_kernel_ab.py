@@ -98,19 +98,15 @@ def _load(source: Path, out_dir: Path) -> ctypes.CDLL:
 
 #: ``--phases`` variants: (name, [(anchor, replacement)]) applied to the configured source in order; each
 #: anchor must occur exactly once (the kernel's source changed otherwise: update them)
+#: ENCODE_BLOCKS: every block's scale is stored, then the block's codes are skipped
+_NO_ENCODE = ("st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;",
+              "st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale; if (1) continue;")
+#: DECODE_GROUP: a quantized state's values are a constant times its scale
+_NO_DECODE = ("} else if (S##i##_BITS == 8) {",
+              "} else if (1) { for (int64_t q_ = 0; q_ < n; q_++) vals##i[q_] = 0.01f * sc; } else if (S##i##_BITS == 8) {")
 _PHASES = (
-    ("without the encodes", [
-        # ENCODE_BLOCKS: every block's scale is stored, then the block's codes are skipped
-        ("st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;",
-         "st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale; if (1) continue;"),
-    ]),
-    ("without the encodes and decodes", [
-        ("st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;",
-         "st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale; if (1) continue;"),
-        # DECODE_GROUP: a quantized state's values are a constant times its scale
-        ("} else if (S##i##_BITS == 8) {",
-         "} else if (1) { for (int64_t q_ = 0; q_ < n; q_++) vals##i[q_] = 0.01f * sc; } else if (S##i##_BITS == 8) {"),
-    ]),
+    ("without the encodes", [_NO_ENCODE]),
+    ("without the encodes and decodes", [_NO_ENCODE, _NO_DECODE]),
 )
 
 

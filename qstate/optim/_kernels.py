@@ -339,12 +339,16 @@ class _BlockSpace:
         if not self.padded:
             out = _alias(t, shape)
         else:
-            flat = t.view(self.rows, width)
-            out = _alias(torch.nn.functional.pad(flat, (0, self.nb * per_block - width)), shape)
+            out = _alias(self.padded_rows(t, per_block), shape)
             if output:
-                self._outputs.append((flat, out))
+                self._outputs.append((t.view(self.rows, width), out))
         torch._dynamo.mark_static(out, out.dim() - 1)
         return out
+
+    def padded_rows(self, t: Tensor, per_block: int) -> Tensor:
+        """A zero-padded copy of ``t``'s rows, ``[rows, nb * per_block]`` (a padded space's block rows)."""
+        flat = t.view(self.rows, -1)
+        return torch.nn.functional.pad(flat, (0, self.nb * per_block - flat.shape[1]))
 
     def refresh(self) -> None:
         """Copy the tensors into their padded copies again (a reused :class:`PreparedKernelCall`; the
@@ -411,8 +415,8 @@ class PreparedKernelCall(PreparedUpdate):
             for s in states:
                 codec = get_codec(s.format, s.signed, p.device)
                 self.scales.append(space.view(s.scale, self.unit // s.block_size, True))
-                self.data_at.append(6 + len(flat))
-                self.scale_at.append(7 + len(flat))
+                self.data_at.append(self._KEYS_AT + 1 + len(flat))  # each state's codes, then its scale
+                self.scale_at.append(self._KEYS_AT + 2 + len(flat))
                 flat += [space.view(s.codes, self.unit * codec.fmt.bits // 8, True), self.scales[-1], *codec.tables]
             self.rows_n = q0.rows * space.nb
             place = _row_place(start, q0.rows, q0.row_len, self.unit, p.device) if self.sr else unread
@@ -424,7 +428,8 @@ class PreparedKernelCall(PreparedUpdate):
             n = (p.numel(),)
             self.unit, self.row_len, self.odd_nibbles = 0, p.numel(), ()
             self.args = [_alias(p.detach(), n), None, None, unread, *[_alias(s, n) for s in states]]
-            self.rows_n, self.data_at, self.scale_at = p.numel(), [0, *range(4, 4 + len(states))], []
+            first = self._PLAIN_PLACE_AT + 1  # the states' values
+            self.rows_n, self.data_at, self.scale_at = p.numel(), [0, *range(first, first + len(states))], []
         # the arguments a batch concatenates and writes back (_run_batch), by block-space rows
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
@@ -469,7 +474,7 @@ class PreparedKernelCall(PreparedUpdate):
         if self.sr and self.space is None:
             args[self._PLAIN_PLACE_AT] = self._plain_place(key)
         elif self.sr:
-            args[self._KEYS_AT] = _host_to(torch.tensor([_as_key(key)], dtype=torch.int64), self.device)
+            args[self._KEYS_AT] = _int64_on([_as_key(key)], self.device)
         out = self.fn(*args)
         for scale, new_scale in zip(self.scales, out or ()):  # quantized kinds return the new scales
             scale.copy_(new_scale)
@@ -522,8 +527,7 @@ class PreparedKernelCall(PreparedUpdate):
             return g.view(-1)
         if not self.space.padded:
             return g.view(self.rows_n, self.unit)
-        flat = g.view(self.space.rows, -1)
-        return torch.nn.functional.pad(flat, (0, self.space.nb * self.unit - flat.shape[1])).view(self.rows_n, -1)
+        return self.space.padded_rows(g, self.unit).view(self.rows_n, self.unit)
 
     def _refresh(self) -> None:
         """Before a call: padded copies get the tensors' values (they may have been written since the last)."""
@@ -541,7 +545,7 @@ class PreparedKernelCall(PreparedUpdate):
     def _plain_place(self, key: int) -> Tensor:
         """A plain kind's ``place`` on the device, ``[key, start, row_len]``: what the draws hash
         (:func:`._rounding.position_draws`)."""
-        return _host_to(torch.tensor([_as_key(key), self.start, self.row_len], dtype=torch.int64), self.device)
+        return _int64_on([_as_key(key), self.start, self.row_len], self.device)
 
 
 #: per device type, the largest parameter (elements, padding included) whose prepared calls run in batches
@@ -583,12 +587,11 @@ def _as_key(key: int) -> int:
     return splitmix64.as_int64(key & splitmix64.MASK64)
 
 
-def _host_to(t: Tensor, device: torch.device) -> Tensor:
-    """A small host tensor on ``device``, through pinned memory on CUDA (the copy does not wait for the
-    stream; a new host tensor each time, so an earlier copy still in flight never sees it change)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+def _int64_on(values: list[int], device: torch.device) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, made in pinned memory on CUDA (the copy does not wait
+    for the stream; a new host tensor each time, so an earlier copy still in flight never sees it change)."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def _row_place(start: int, rows: int, row_len: int, unit: int, device: torch.device) -> Tensor:
@@ -606,9 +609,9 @@ def _batch_place(calls: Sequence[PreparedKernelCall], keys: Sequence[int]) -> tu
     concatenated, each row's key index the position of its call, and the calls' keys."""
     device = calls[0].device
     place = torch.cat([c.args[PreparedKernelCall._PLACE_AT] for c in calls])
-    rows = _host_to(torch.tensor([c.rows_n for c in calls], dtype=torch.int64), device)
+    rows = _int64_on([c.rows_n for c in calls], device)
     place[:, 0] = torch.repeat_interleave(torch.arange(len(calls), device=device), rows, output_size=len(place))
-    return place, _host_to(torch.tensor([_as_key(k) for k in keys], dtype=torch.int64), device)
+    return place, _int64_on([_as_key(k) for k in keys], device)
 
 
 def _no_place(device: torch.device) -> Tensor:
