@@ -733,6 +733,10 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     out = subprocess.run([sys.executable, str(script), str(source), str(source), *args, "--calls", "2"],
                          check=True, capture_output=True, text=True).stdout
     assert "B / A = " in out
+    # --phases edits the kernel's source at fixed anchors: a kernel change that moves them must show here
+    out = subprocess.run([sys.executable, str(script), "--phases", *args, "--calls", "2"],
+                         check=True, capture_output=True, text=True).stdout
+    assert "without the encodes and decodes" in out and "x fused" in out
 
 
 #: AdamW's static flags, as the optimizer gives them (sorted)
