@@ -11,9 +11,8 @@ setup(
     # the CPU update kernel's C source, compiled on first use (qstate/optim/_cpu_kernel.py)
     package_data={"qstate.optim": ["csrc/*.c"]},
     python_requires=">=3.10",
-    # Minimum supported torch: 2.6 (public torch.distributed.tensor and
-    # torch.distributed.fsdp.fully_shard). CI runs 2.13.0.
-    install_requires=["torch>=2.6"],
+    # the oldest torch CI tests (.ci/run runs the suite on it and on the newest pip resolves)
+    install_requires=["torch>=2.13.0"],
     extras_require={
         "test": ["pytest", "hypothesis", "expecttest", "scikit-learn"],
         "bench": ["matplotlib"],
