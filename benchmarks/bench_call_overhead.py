@@ -16,7 +16,7 @@ block space) steps with:
   what the calls of small parameters cost before they ran in batches.
 
 ``--bf16-sr``: qstate's weights in bfloat16 with ``bf16_stochastic_round=True``
-(torch fused stays on float32 weights, the issue-5 reference).
+(torch fused stays on float32 weights: the step-time targets' reference).
 
 On CPU ``--kernel c`` (default) steps the C kernel and ``--kernel inductor``
 the compiled inductor kernel (``cpu_kernel_enabled(False)``); with

@@ -118,7 +118,7 @@ def main() -> None:
         if r["kernel_kinds"]:
             print(f"{name} kernel kinds:", *r["kernel_kinds"], sep="\n  ")
     ao, q8 = rows.get(TORCHAO), rows.get("qstate 8bit")
-    target = target_line("issue 5 target: qstate 8bit first step / torchao AdamW8bit first step",
+    target = target_line("target: qstate 8bit first step / torchao AdamW8bit first step",
                          ao and q8 and q8["first_step_s"] / ao["first_step_s"], 1 / 3)
     print(target)
     save_json({"env": environment(), "command": " ".join(["python"] + sys.argv), "candidates": rows,

@@ -135,7 +135,7 @@ def main() -> None:
         where = f"world {r['world_size']}, {r['size']}, {r['format']}"
         targets.append(target_line(f"{where}: dtensor / local compiled step", r["dtensor_vs_local_compiled"], 1.1))
         targets.append(target_line(f"{where}: collectives in a dtensor step (2nd)", r["collectives"]["later_step"], 0))
-    print("issue 5 targets:", *targets, sep="\n  ")
+    print("targets:", *targets, sep="\n  ")
     save_json({"env": environment(), "command": " ".join(["python"] + sys.argv), "repeats": args.repeats,
                "bf16_sr": args.bf16_sr,
                "rows": rows, "targets": targets}, args.out,

@@ -23,7 +23,7 @@ kind against two variants of its own source that drop work, and torch's
 fused AdamW step on the same weight: without the states' encodes (new scales
 written, codes not), and without the decodes as well (the states read as
 constants). Both variants compute wrong states; they only measure where the
-step's time goes against the fused step's, the issue-5 target's reference:
+step's time goes against the fused step's, the step-time targets' reference:
 
     python benchmarks/bench_kernel_ab.py --phases [--format 8bit] [--threads 1]
 """

@@ -131,7 +131,7 @@ def print_table(label: str, size: dict) -> None:
 
 
 def targets(sizes: dict) -> list[str]:
-    """The step-time targets of issue 5, per size (``not measured`` when a candidate is absent)."""
+    """The step-time targets (README: Performance targets), per size (``not measured`` when a candidate is absent)."""
     lines = []
     for label, size in sizes.items():
         c = size["candidates"]
@@ -161,7 +161,7 @@ def plot(sizes: dict, path: str) -> None:
         ys = [sizes[s]["candidates"].get(name, {}).get("time_vs_fused") for s in labels]
         ax.plot(labels, [float("nan") if y is None else y for y in ys], marker="o", label=name,
                 color=colors[i % len(colors)], ls="--" if "eager" in name else "-")
-    ax.axhline(1.5, color="k", ls=":", lw=0.8, label="issue 5 target, 8bit compiled")
+    ax.axhline(1.5, color="k", ls=":", lw=0.8, label="target, 8bit compiled")
     ax.set_yscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel(f"median step time / {BASELINE} AdamW")
@@ -209,7 +209,7 @@ def main() -> None:
     for label, size in results["sizes"].items():
         print_table(label, size)
     results["targets"] = targets(results["sizes"])
-    print("\nissue 5 targets:", *results["targets"], sep="\n  ")
+    print("\ntargets:", *results["targets"], sep="\n  ")
     save_json(results, args.out, "bench_step.json")
     plot(results["sizes"], f"{args.out}/bench_step.png")
 

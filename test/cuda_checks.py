@@ -1,4 +1,4 @@
-"""CUDA checks, for sessions that have a GPU (not collected by pytest; CI has no GPU).
+"""CUDA checks, for machines that have a GPU (not collected by pytest; CI has no GPU).
 
     python test/cuda_checks.py        # one GPU is enough; runs every check, exits non-zero if any failed
 
@@ -193,7 +193,7 @@ def main() -> None:
         for check in checks:
             try:
                 check()
-            except Exception:  # report every check: a GPU session gets one run
+            except Exception:  # report every check: a lent GPU may give one run only
                 failed.append(check.__name__)
                 print(f"FAIL {check.__name__}\n{traceback.format_exc()}", flush=True)
             else:

@@ -7,7 +7,7 @@
 # Runs the CUDA checks and a CUDA step benchmark on one half of the CPUs while the other half builds the C
 # kernel natively and without its vector paths (equal bits; AVX-512 VBMI on that machine's Xeon), then the
 # per-parameter cost of many parameters' calls on CUDA (bench_call_overhead: batches of small parameters'
-# calls since the fifteenth session). About 4-5 minutes; logs and JSON under $OUT (or /tmp/device_checks).
+# calls since 6dc6f81). About 4-5 minutes; logs and JSON under $OUT (or /tmp/device_checks).
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
