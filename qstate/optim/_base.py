@@ -37,6 +37,11 @@ argument checks and static flags; everything else lives here:
   generator at construction) is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
+* **torch.optim's implementation arguments** (``fused``, ``foreach``,
+  ``capturable``, ``differentiable``) are param-group entries as in torch
+  (checked by the subclasses: only the values qstate honours). Step counts stay
+  CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
+  torch would move them to the parameter's device).
 * **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
   (``torch.load(weights_only=True)`` works after ``import qstate``); loading
   keeps their format and dtype (``torch.optim`` would cast states to the
@@ -125,6 +130,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
         self.register_load_state_dict_post_hook(type(self)._load_post)
+        self.register_load_state_dict_post_hook(type(self)._steps_on_host)
+
+    def _steps_on_host(self) -> None:
+        """Keep every step count a CPU tensor after loading, as the step reads it on the host
+        (torch.optim moves it to the parameter's device where the loaded group says ``fused=True``)."""
+        for state in self.state.values():
+            step = state.get("step")
+            if isinstance(step, Tensor) and step.device.type != "cpu":
+                state["step"] = step.to("cpu", torch.float32)
 
     # ------------------------------------------------------------------ subclass hooks
     def _flags(self, group: dict) -> dict:
