@@ -37,6 +37,13 @@ argument checks and static flags; everything else lives here:
   generator at construction) is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
+  Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
+  initialized with more than one rank, the first step of an optimizer that
+  rounds (a group with ``bf16_stochastic_round``) broadcasts rank 0's drawn seed
+  over the default process group (:meth:`_agree_seed`: one collective, once,
+  on every rank, so every rank must step its optimizers alike; constructing one
+  issues none) and every group that took the drawn seed takes rank 0's. A given
+  ``seed``, or one a loaded checkpoint set, is used as is.
 * **torch.optim's implementation arguments** (``fused``, ``foreach``,
   ``capturable``, ``differentiable``) are param-group entries as in torch
   (checked by the subclasses: only the values qstate honours). Step counts stay
@@ -57,6 +64,7 @@ import contextlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
@@ -122,6 +130,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
                         seed=int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
+        #: the seed was drawn here, on this rank: rank 0's replaces it at the first rounding step
+        self._seed_drawn = seed is None
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):
             raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
@@ -139,6 +149,30 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             step = state.get("step")
             if isinstance(step, Tensor) and step.device.type != "cpu":
                 state["step"] = step.to("cpu", torch.float32)
+
+    def _agree_seed(self) -> None:
+        """Give every rank rank 0's drawn seed, once, before the first step that rounds.
+
+        Runs only for a seed drawn at construction (``seed=None``), with ``torch.distributed``
+        initialized with more than one rank, and when some group rounds bfloat16 parameters
+        stochastically (the only use of the seed): then every rank broadcasts, once, one int64 from
+        rank 0 over the default process group, whatever its parameters or gradients, and each group
+        whose seed is this rank's drawn one (not given per group, not loaded) takes rank 0's.
+        Invariant afterwards: groups that took the default seed have the same seed on every rank.
+        """
+        if not self._seed_drawn or not any(g["bf16_stochastic_round"] for g in self.param_groups):
+            return
+        self._seed_drawn = False
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        drawn = self.defaults["seed"]
+        agreed = torch.tensor([drawn], dtype=torch.int64, device=_collective_device())
+        dist.broadcast(agreed, src=0)
+        agreed = int(agreed.item())
+        self.defaults["seed"] = agreed
+        for group in self.param_groups:
+            if group["seed"] == drawn:
+                group["seed"] = agreed
 
     # ------------------------------------------------------------------ subclass hooks
     def _flags(self, group: dict) -> dict:
@@ -298,6 +332,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:
         """One step. ``grad_scale``/``found_inf`` default to the attributes a ``GradScaler`` sets."""
+        self._agree_seed()  # first, on every rank: before anything that may skip the step on some rank
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -364,6 +399,17 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for n, v in list(state.items()):
                 if isinstance(v, _Keep):
                     state[n] = v.value.to(p.device)
+
+
+def _collective_device() -> torch.device:
+    """A device the default process group's backend broadcasts on: the CPU where one of its
+    backends supports it (gloo, mpi, ucc, ``"cpu:gloo,cuda:nccl"``), else the current accelerator
+    device (nccl: the current CUDA device)."""
+    backends = [part.split(":")[-1] for part in str(dist.get_backend()).split(",")]
+    if any("cpu" in dist.Backend.backend_capability.get(b, []) for b in backends):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _get_rng(device: torch.device) -> Tensor:

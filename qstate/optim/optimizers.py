@@ -21,7 +21,9 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
   quantized states (one graph per kernel kind); ``False`` runs the same math
   eagerly op by op (the path DTensor states always take);
 * ``seed``: seed of the stochastic-rounding stream (default: drawn from the
-  global generator at construction).
+  global generator at construction and, when ``torch.distributed`` runs more
+  than one rank, replaced by rank 0's at the first step that rounds, so every
+  rank draws the same stream).
 
 torch.optim's implementation arguments are accepted where qstate can honour
 them, and stored in the param groups as torch stores them: qstate always runs
