@@ -71,6 +71,22 @@ def _replicas(rank: int, world_size: int) -> None:
     assert _same_on_every_rank(p)
     assert not torch.equal(p.detach(), _start())
 
+    # DTensor replicas (Replicate on a 1-D mesh) round alike too
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(30 + rank)
+    d = torch.nn.Parameter(distribute_tensor(_start(), mesh, [Replicate()]))
+    replicated = _optimizer(d)
+    for step in range(STEPS):
+        d.grad = distribute_tensor(_grad(step), mesh, [Replicate()])
+        replicated.step()
+    assert _same_on_every_rank(d.to_local())
+    plain = torch.nn.Parameter(_start())  # and as one plain parameter with the agreed seed
+    _steps(plain, _optimizer(plain, seed=replicated.param_groups[0]["seed"]), 0, STEPS)
+    assert torch.equal(d.to_local().view(torch.int16), plain.detach().view(torch.int16))
+
     # the check above would see diverged replicas: seeds that differ by rank give different parameters
     q = torch.nn.Parameter(_start())
     _steps(q, _optimizer(q, seed=1000 + rank), 0, STEPS)
