@@ -121,6 +121,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     rule: UpdateRule
     #: torch.amp.GradScaler passes grad_scale/found_inf instead of unscaling the gradients
     _step_supports_amp_scaling = True
+    #: whether this rank drew the seed (``seed=None``) and rank 0's has yet to replace it (:meth:`_agree_seed`)
+    _seed_drawn = False
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
@@ -130,7 +132,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
                         seed=int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
-        #: the seed was drawn here, on this rank: rank 0's replaces it at the first rounding step
         self._seed_drawn = seed is None
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):
