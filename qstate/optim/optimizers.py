@@ -25,11 +25,13 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
   than one rank, replaced by rank 0's at the first step that rounds, so every
   rank draws the same stream).
 
-torch.optim's implementation arguments are accepted where qstate can honour
-them, and stored in the param groups as torch stores them: qstate always runs
-its own fused update, eagerly and outside autograd, so ``fused`` may be None or
-True, ``foreach`` None or False, ``capturable`` and ``differentiable`` False;
-other values raise a ``ValueError`` naming the argument (:func:`_check_implementation`).
+torch.optim's implementation arguments (``fused``, ``foreach``, ``capturable``,
+``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion all
+four) are accepted where qstate can honour them, and stored in the param groups
+as torch stores them: qstate always runs its own fused update, outside autograd
+and CUDA graphs, so ``fused`` may be None or True, ``foreach`` None or False,
+``capturable`` and ``differentiable`` False; other values raise a
+``ValueError`` naming the argument (:func:`_check_implementation`).
 """
 
 from __future__ import annotations
