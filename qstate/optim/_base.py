@@ -37,6 +37,18 @@ argument checks and static flags; everything else lives here:
   generator at construction) is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
+  Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
+  initialized with more than one rank, the first step of an optimizer that
+  rounds (a group with ``bf16_stochastic_round``) broadcasts rank 0's drawn seed
+  over the default process group (:meth:`_agree_seed`: one collective, once,
+  on every rank, so every rank must step its optimizers alike; constructing one
+  issues none) and every group that took the drawn seed takes rank 0's. A given
+  ``seed``, or one a loaded checkpoint set, is used as is.
+* **torch.optim's implementation arguments** (``fused``, ``foreach``,
+  ``capturable``, ``differentiable``) are param-group entries as in torch
+  (checked by the subclasses: only the values qstate honours). Step counts stay
+  CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
+  torch would move them to the parameter's device).
 * **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
   (``torch.load(weights_only=True)`` works after ``import qstate``); loading
   keeps their format and dtype (``torch.optim`` would cast states to the
@@ -52,6 +64,7 @@ import contextlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
@@ -108,6 +121,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     rule: UpdateRule
     #: torch.amp.GradScaler passes grad_scale/found_inf instead of unscaling the gradients
     _step_supports_amp_scaling = True
+    #: whether this rank drew the seed (``seed=None``) and rank 0's has yet to replace it (:meth:`_agree_seed`)
+    _seed_drawn = False
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
@@ -117,6 +132,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
                         seed=int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
+        self._seed_drawn = seed is None
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):
             raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
@@ -125,6 +141,39 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
         self.register_load_state_dict_post_hook(type(self)._load_post)
+        self.register_load_state_dict_post_hook(type(self)._steps_on_host)
+
+    def _steps_on_host(self) -> None:
+        """Keep every step count a CPU tensor after loading, as the step reads it on the host
+        (torch.optim moves it to the parameter's device where the loaded group says ``fused=True``)."""
+        for state in self.state.values():
+            step = state.get("step")
+            if isinstance(step, Tensor) and step.device.type != "cpu":
+                state["step"] = step.to("cpu", torch.float32)
+
+    def _agree_seed(self) -> None:
+        """Give every rank rank 0's drawn seed, once, before the first step that rounds.
+
+        Runs only for a seed drawn at construction (``seed=None``), with ``torch.distributed``
+        initialized with more than one rank, and when some group rounds bfloat16 parameters
+        stochastically (the only use of the seed): then every rank broadcasts, once, one int64 from
+        rank 0 over the default process group, whatever its parameters or gradients, and each group
+        whose seed is this rank's drawn one (not given per group, not loaded) takes rank 0's.
+        Invariant afterwards: groups that took the default seed have the same seed on every rank.
+        """
+        if not self._seed_drawn or not any(g["bf16_stochastic_round"] for g in self.param_groups):
+            return
+        self._seed_drawn = False
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        drawn = self.defaults["seed"]
+        agreed = torch.tensor([drawn], dtype=torch.int64, device=_collective_device())
+        dist.broadcast(agreed, src=0)
+        agreed = int(agreed.item())
+        self.defaults["seed"] = agreed
+        for group in self.param_groups:
+            if group["seed"] == drawn:
+                group["seed"] = agreed
 
     # ------------------------------------------------------------------ subclass hooks
     def _flags(self, group: dict) -> dict:
@@ -284,6 +333,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:
         """One step. ``grad_scale``/``found_inf`` default to the attributes a ``GradScaler`` sets."""
+        self._agree_seed()  # first, on every rank: before anything that may skip the step on some rank
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -350,6 +400,17 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for n, v in list(state.items()):
                 if isinstance(v, _Keep):
                     state[n] = v.value.to(p.device)
+
+
+def _collective_device() -> torch.device:
+    """A device the default process group's backend broadcasts on: the CPU where one of its
+    backends supports it (gloo, mpi, ucc, ``"cpu:gloo,cuda:nccl"``), else the current accelerator
+    device (nccl: the current CUDA device)."""
+    backends = [part.split(":")[-1] for part in str(dist.get_backend()).split(",")]
+    if any("cpu" in dist.Backend.backend_capability.get(b, []) for b in backends):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _get_rng(device: torch.device) -> Tensor:
