@@ -143,15 +143,3 @@ def test_a_group_with_its_own_seed_keeps_it():
     opt.step()
     assert opt.param_groups[1]["seed"] == 5 and opt.param_groups[0]["seed"] == opt.defaults["seed"]
 
-
-def test_the_broadcast_runs_on_a_device_the_backend_supports(monkeypatch):
-    # gloo (and a mix naming it) broadcasts on the CPU; nccl on the current CUDA device
-    from qstate.optim import _base
-
-    for backend in ("gloo", "cpu:gloo,cuda:nccl", "mpi"):
-        monkeypatch.setattr(_base.dist, "get_backend", lambda group=None, b=backend: b)
-        assert _base._collective_device() == torch.device("cpu"), backend
-    monkeypatch.setattr(_base.dist, "get_backend", lambda group=None: "nccl")
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
-    assert _base._collective_device() == torch.device("cuda", 1)
