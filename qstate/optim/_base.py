@@ -230,13 +230,18 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         kind = self.plan(p, group, index)
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
         for spec in self.rule.states(self._flags(group)):
-            if kind[0] == "q":
-                rounding = state_rounding(kind[1], spec.signed, group["state_rounding"])
-                state[spec.name] = q_zeros_like(p.detach(), kind[1], signed=spec.signed, block_size=kind[2],
-                                                dtype=torch.float32, rounding=rounding)
-            else:
-                state[spec.name] = torch.zeros_like(p.detach(), dtype=kind[1], memory_format=torch.preserve_format)
+            state[spec.name] = self._zero_state(p.detach(), kind, spec.signed, group)
         return state
+
+    @staticmethod
+    def _zero_state(like: Tensor, kind: tuple, signed: bool, group: dict) -> Tensor:
+        """A zero state of ``kind`` (:meth:`plan`) with ``like``'s shape, device (and DTensor layout); a
+        quantized one has ``signed`` and the rounding :func:`state_rounding` gives it in ``group``."""
+        if kind[0] == "q":
+            rounding = state_rounding(kind[1], signed, group["state_rounding"])
+            return q_zeros_like(like, kind[1], signed=signed, block_size=kind[2], dtype=torch.float32,
+                                rounding=rounding)
+        return torch.zeros_like(like, dtype=kind[1], memory_format=torch.preserve_format)
 
     def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Any) -> None:
         """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._api import zeros_like as q_zeros_like
 from ..distributed import is_quantized_state
-from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout, state_rounding
+from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout
 
 __all__ = ["convert_state_dict"]
 
@@ -157,14 +156,8 @@ def _to_policy(optimizer: QuantizedOptimizer, p: Tensor, group: dict, index: int
         value = values[spec.name]
         _check_shape(p, spec.name, value, what)
         plain = _float32_values(value)
-        if kind[0] == "plain":
-            out[spec.name] = plain.to(kind[1])
-            continue
-        fmt, block_size = kind[1], kind[2]
-        rounding = state_rounding(fmt, spec.signed, group["state_rounding"])
-        new = q_zeros_like(plain, fmt, signed=spec.signed, block_size=block_size, dtype=torch.float32,
-                           rounding=rounding)
-        out[spec.name] = new.copy_(plain)
+        # the state the optimizer's first step would create, written with the checkpoint's values
+        out[spec.name] = optimizer._zero_state(plain, kind, spec.signed, group).copy_(plain)
     return out
 
 
