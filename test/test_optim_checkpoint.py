@@ -262,3 +262,24 @@ def test_conversions_between_formats_follow_the_policy():
     assert _err(lambda: convert_state_dict(sd, sgd)) == (
         "ValueError: SGD: param 0 (shape (64, 100), torch.float32), state 'exp_avg': SGD does not keep it "
         "(it keeps ['momentum_buffer', 'step'])")
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "bf16", "fp32"])
+def test_torch_adam_converted_to_every_format(fmt):
+    # each state as qstate.quantize (or a cast) makes it from torch's, with the policy's signedness and
+    # rounding; small parameters fp32, 1-D ones fp32 unless the format is bf16
+    ps, ref = _trained(lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=False))
+    qs = clone_params(ps)
+    opt = qstate.optim.Adam(qs, lr=1e-2, amsgrad=True, state_format=fmt, min_quantize_numel=100)
+    opt.load_state_dict(convert_state_dict(ref.state_dict(), opt))
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        for name, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
+            got, want = opt.state[q][name], ref.state[p][name]
+            if fmt in ("fp32", "bf16") or i > 0:
+                dtype = torch.bfloat16 if fmt == "bf16" and p.numel() >= 100 else torch.float32
+                assert torch.equal(got, want.to(dtype)), (i, name)
+            else:
+                rounding = "stochastic" if fmt == "4bit" and signed else "nearest"
+                assert _same(got, qstate.quantize(want, fmt, signed=signed, rounding=rounding)), name
+    _steps(opt, qs, 3, 1)
+    assert all(torch.isfinite(q).all() for q in qs)
