@@ -36,7 +36,7 @@ def convert_state_dict(state_dict: dict, optimizer: torch.optim.Optimizer) -> di
 
     * For a :class:`QuantizedOptimizer` each parameter's states become exactly the states
       ``optimizer`` would create for it (its policy, :meth:`QuantizedOptimizer.plan`: the
-      format, or float32 for small and 1-D parameters; block size; per state signedness and
+      format, or float32 where the policy keeps float32; block size; per state signedness and
       rounding, :func:`~qstate.optim._base.state_rounding`), holding the checkpoint's values:
       read as float32 (dequantized), then encoded. ``torch.optim.SGD`` keeps no step count: a
       momentum buffer comes with ``step`` 1, which only says that the buffer exists.
