@@ -134,9 +134,9 @@ def dcp_load_wrong_format_body(rank: int, world_size: int, path: str, fmt: str) 
     with pytest.raises(ValueError) as info:
         qstate.checkpoint.load(sd, checkpoint_id=path)
     msg = str(info.value)
-    assert re.match(r"checkpoint not loaded, states unchanged: copy_: expected a state of kind "
-                    rf"\['states\.[\w.]+': {fmt} signed block_size=128 dtype=torch.float32 shape=\(\d+, \d+\) "
-                    r"device=cpu\], got \[8bit signed block_size=256 dtype=torch.float32", msg), msg
+    assert re.match(r"checkpoint not loaded, states unchanged: 'states\.[\w.]+': expected a "
+                    rf"{fmt} signed block_size=128 state \(the destination's\), the checkpoint stores a "
+                    r"8bit signed block_size=256 state; loading never converts states$", msg), msg
     after = {k: v.full_tensor().dequantize() if hasattr(v.to_local(), "codes") else v.full_tensor()
              for k, v in sd["states"].items()}
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -168,11 +168,12 @@ def test_dcp_load_rejects_another_format(tmp_path):
     run_distributed(dcp_load_via_qstate_body, 3, path, "8bit")
 
 
-def _trained(fmt: str):
+def _trained(fmt: str, min_quantize_numel: int = 100):
     import qstate.optim
 
     model = _shard(_model())
-    opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, state_format=fmt, min_quantize_numel=100, compile=False)
+    opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, state_format=fmt, min_quantize_numel=min_quantize_numel,
+                             compile=False)
     torch.manual_seed(1)
     for _ in range(2):
         model(torch.randn(4, 129)).square().mean().backward()
@@ -226,3 +227,88 @@ def optimizer_state_dict_body(rank: int, world_size: int, fmt: str) -> None:
 @pytest.mark.parametrize("world_size,fmt", [(2, "8bit"), (3, "8bit"), (2, "4bit")])
 def test_get_set_optimizer_state_dict_full_and_sharded(world_size, fmt):
     run_distributed(optimizer_state_dict_body, world_size, fmt)
+
+
+def _snapshot(opt) -> tuple:
+    """Everything a load could change: full state values, step counts, param groups."""
+    steps = [float(st["step"]) for st in opt.state.values()]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return _full_states(opt), steps, groups
+
+
+def _unchanged(opt, before: tuple) -> bool:
+    states, steps, groups = _snapshot(opt)
+    return (len(states) == len(before[0]) and all(torch.equal(a, b) for a, b in zip(states, before[0]))
+            and steps == before[1] and groups == before[2])
+
+
+def other_policy_state_dict_body(rank: int, world_size: int) -> None:
+    import qstate.optim
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, opt = _trained("8bit")
+    model2, fp32 = _trained("fp32")
+    for full in (True, False):
+        options = StateDictOptions(full_state_dict=full)
+        sd = get_optimizer_state_dict(model, opt, options=options)
+        before = _snapshot(fp32)
+        with pytest.raises(ValueError) as info:
+            set_optimizer_state_dict(model2, fp32, sd, options=options)
+        assert re.match(r"AdamW: param 0 \(shape \(65, 129\), torch.float32\), state 'exp_avg': expected a plain "
+                        r"torch.float32 state .* got 8bit signed block_size=256", str(info.value)), str(info.value)
+        assert _unchanged(fp32, before), full
+        # converted, it loads: fp32 states holding the 8bit states' values
+        set_optimizer_state_dict(model2, fp32, qstate.optim.convert_state_dict(sd, fp32), options=options)
+        got, want = _full_states(fp32), _full_states(opt)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), full
+        assert all(type(v.to_local()) is torch.Tensor for st in fp32.state.values() for v in st.values()
+                   if v.dim() > 0)
+
+
+def test_set_optimizer_state_dict_of_another_policy_raises_then_converts():
+    run_distributed(other_policy_state_dict_body, 2)
+
+
+def dcp_save_optimizer_body(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = _trained("8bit")
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    expect = _full_states(opt)
+    if rank == 0:
+        torch.save(expect, path + ".states")
+
+
+def dcp_load_optimizer_body(rank: int, world_size: int, path: str) -> None:
+    import qstate.checkpoint
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # README's flow: the state dict aliases the live states. An 8bit checkpoint read into fp32 states
+    # (which DCP's copy would dequantize), or into 8bit states of another min_quantize_numel, raises
+    # with every live state, step and option unchanged
+    for fmt, numel, match in [("fp32", 100, r"'optim\.state\.[\w.]+': expected a plain torch.float32 state "
+                                            r"\(the destination's\), the checkpoint stores a 8bit signed "
+                                            r"block_size=256 state"),
+                              ("8bit", 50, r"optim\.param_groups\.0\.min_quantize_numel: expected 50 \(the "
+                                           r"optimizer's\), the checkpoint has 100")]:
+        model, opt = _trained(fmt, numel)
+        before = _snapshot(opt)
+        sd = get_optimizer_state_dict(model, opt)
+        with pytest.raises(ValueError) as info:
+            qstate.checkpoint.load({"optim": sd}, checkpoint_id=path)
+        assert re.match(r"checkpoint not loaded, states unchanged: " + match, str(info.value)), str(info.value)
+        assert _unchanged(opt, before), fmt
+    model, opt = _trained("8bit")
+    sd = get_optimizer_state_dict(model, opt)
+    qstate.checkpoint.load({"optim": sd}, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, sd)
+    got, want = _full_states(opt), torch.load(path + ".states")
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_dcp_checkpoint_of_another_policy_raises_with_live_states_unchanged(tmp_path):
+    path = os.fspath(tmp_path / "ckpt")
+    run_distributed(dcp_save_optimizer_body, 2, path)
+    run_distributed(dcp_load_optimizer_body, 3, path)

@@ -499,10 +499,9 @@ TypeError: AdamW: param 0 (shape (3,), torch.float64): state_format='8bit' serve
         opt = run_steps(lambda p: AdamW(p, state_format="8bit", min_quantize_numel=0, compile=False), ps, 1)
         other = AdamW(clone_params(ps), state_format="4bit", min_quantize_numel=0, compile=False)
         sd = opt.state_dict()
-        # loading restores the checkpoint's groups (state_format included); states that do not
-        # match their group's policy are an error, never converted
-        sd["param_groups"][0]["state_format"] = "4bit"
-        self.assertExpectedInline(_err(lambda: other.load_state_dict(sd)), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit signed block_size=128 rounding=stochastic state (state_format='4bit', state_rounding=None, min_quantize_numel=0), got 8bit signed block_size=256""")
+        # states are checked against the optimizer's policy (its state_format, not the
+        # checkpoint's): another kind is an error, never converted
+        self.assertExpectedInline(_err(lambda: other.load_state_dict(sd)), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit signed block_size=128 rounding=stochastic state (state_format='4bit', state_rounding=None, min_quantize_numel=0), got 8bit signed block_size=256; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
 
     def test_rejected_checkpoint_leaves_the_optimizer_unchanged(self):
         ps = params([(64, 100), (33, 7)])
@@ -527,13 +526,13 @@ TypeError: AdamW: param 0 (shape (3,), torch.float64): state_format='8bit' serve
             return lambda sd: sd["state"][key].__setitem__(name, value)
 
         m = before["state"][1]["exp_avg"]
-        self.assertExpectedInline(loading(swap(1, "exp_avg_sq", m)), """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg_sq': expected a 8bit unsigned block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=256""")
+        self.assertExpectedInline(loading(swap(1, "exp_avg_sq", m)), """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg_sq': expected a 8bit unsigned block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=256; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
         self.assertExpectedInline(loading(swap(1, "exp_avg", qstate.quantize(m.dequantize(), "8bit", block_size=64))),
-                                  """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=64""")
+                                  """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got 8bit signed block_size=64; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
         self.assertExpectedInline(loading(swap(1, "exp_avg", qstate.quantize(torch.zeros(7, 33), "8bit"))), """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected shape (33, 7), got (7, 33)""")
         self.assertExpectedInline(loading(swap(1, "exp_avg", qstate.quantize(m.dequantize(), "8bit", rounding="stochastic"))),
-                                  """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', state_rounding=None, min_quantize_numel=0), got 8bit signed block_size=256 rounding=stochastic""")
-        self.assertExpectedInline(loading(swap(0, "exp_avg", torch.zeros(64, 100))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got plain torch.float32""")
+                                  """ValueError: AdamW: param 1 (shape (33, 7), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', state_rounding=None, min_quantize_numel=0), got 8bit signed block_size=256 rounding=stochastic; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
+        self.assertExpectedInline(loading(swap(0, "exp_avg", torch.zeros(64, 100))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 8bit signed block_size=256 state (state_format='8bit', min_quantize_numel=0), got plain torch.float32; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
 
     def test_checkpoint_from_before_state_rounding(self):
         # a 4bit checkpoint saved before states had a rounding: nearest states, no state_rounding in
@@ -548,7 +547,7 @@ TypeError: AdamW: param 0 (shape (3,), torch.float64): state_format='8bit' serve
         fresh = run_steps(lambda p: AdamW(p, state_format="4bit", min_quantize_numel=0, compile=False),
                           clone_params(ps), 1)
         before = copy.deepcopy(fresh.state_dict())
-        self.assertExpectedInline(_err(lambda: fresh.load_state_dict(copy.deepcopy(sd))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit signed block_size=128 rounding=stochastic state (state_format='4bit', state_rounding=None, min_quantize_numel=0), got 4bit signed block_size=128""")
+        self.assertExpectedInline(_err(lambda: fresh.load_state_dict(copy.deepcopy(sd))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg': expected a 4bit signed block_size=128 rounding=stochastic state (state_format='4bit', state_rounding=None, min_quantize_numel=0), got 4bit signed block_size=128; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
         after = fresh.state_dict()
         assert after["param_groups"] == before["param_groups"]
         m0, m1 = before["state"][0]["exp_avg"], after["state"][0]["exp_avg"]

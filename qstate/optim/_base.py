@@ -53,9 +53,19 @@ argument checks and static flags; everything else lives here:
   (``torch.load(weights_only=True)`` works after ``import qstate``); loading
   keeps their format and dtype (``torch.optim`` would cast states to the
   parameter's dtype, which dequantizes) and moves them to the parameter's
-  device. A checkpoint's param groups override the optimizer's options; an
-  option the checkpoint predates (``state_rounding``) keeps the optimizer's
-  value.
+  device. ``load_state_dict`` checks all of the state dict before it changes
+  anything: its layout (``state``/``param_groups``, group and parameter
+  counts), every parameter's states (each of the rule's, plus ``step``, of
+  exactly the kind this optimizer would create: format, signedness, block
+  size, rounding, dtype, shape) and the policy options
+  (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
+  ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
+  mismatch raises ``ValueError`` naming the parameter (or group and option),
+  the expected and the found, and leaves the optimizer as it was. Other
+  options are hyperparameters and, as in ``torch.optim``, the checkpoint's
+  win; an option the checkpoint predates (``state_rounding``) keeps the
+  optimizer's value. States of another policy, or ``torch.optim``'s, load
+  only after :func:`qstate.optim.convert_state_dict`.
 """
 
 from __future__ import annotations
@@ -74,10 +84,16 @@ from ..formats import FORMATS, ROUNDINGS, get_format
 from . import functional as F
 from ._rules import UpdateRule
 
-__all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "STOCHASTIC_BY_DEFAULT", "state_rounding"]
+__all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "POLICY_OPTIONS", "STOCHASTIC_BY_DEFAULT",
+           "state_rounding"]
 
 #: state formats that are plain tensors of a dtype
 PLAIN_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: group options that decide what each state is; a loaded state dict's must equal the optimizer's
+#: (states are converted only by :func:`qstate.optim.convert_state_dict`)
+POLICY_OPTIONS = ("state_format", "block_size", "state_rounding", "min_quantize_numel")
+_CONVERT_HINT = ("; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, "
+                 "optimizer)")
 #: parameter dtypes a quantized or bf16 state can serve (the math runs in float32)
 _LOW_PRECISION_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -263,21 +279,28 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         kind = self.plan(p, group, index)
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
         for spec in self.rule.states(self._flags(group)):
-            if kind[0] == "q":
-                rounding = state_rounding(kind[1], spec.signed, group["state_rounding"])
-                state[spec.name] = q_zeros_like(p.detach(), kind[1], signed=spec.signed, block_size=kind[2],
-                                                dtype=torch.float32, rounding=rounding)
-            else:
-                state[spec.name] = torch.zeros_like(p.detach(), dtype=kind[1], memory_format=torch.preserve_format)
+            state[spec.name] = self._zero_state(p.detach(), kind, spec.signed, group)
         return state
 
-    def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Tensor) -> None:
+    @staticmethod
+    def _zero_state(like: Tensor, kind: tuple, signed: bool, group: dict) -> Tensor:
+        """A zero state of ``kind`` (:meth:`plan`) with ``like``'s shape, device (and DTensor layout); a
+        quantized one has ``signed`` and the rounding :func:`state_rounding` gives it in ``group``."""
+        if kind[0] == "q":
+            rounding = state_rounding(kind[1], signed, group["state_rounding"])
+            return q_zeros_like(like, kind[1], signed=signed, block_size=kind[2], dtype=torch.float32,
+                                rounding=rounding)
+        return torch.zeros_like(like, dtype=kind[1], memory_format=torch.preserve_format)
+
+    def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Any) -> None:
         """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
         specs = {s.name: s for s in self.rule.states(self._flags(group))}
         if name not in specs:
             raise ValueError(f"{what}: unexpected state; {type(self).__name__} keeps {sorted(specs)}")
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{what}: expected a tensor, got {type(value).__name__}")
         got = state_kind(value)
         signed = specs[name].signed
         rounding = state_rounding(kind[1], signed, group["state_rounding"]) if kind[0] == "q" else None
@@ -289,29 +312,49 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             if group["state_rounding"] is not None or "stochastic" in (rounding, got_rounding):
                 options += f"state_rounding={group['state_rounding']!r}, "
             raise ValueError(f"{what}: expected a {want} state ({options}"
-                             f"min_quantize_numel={group['min_quantize_numel']}), got {got}")
+                             f"min_quantize_numel={group['min_quantize_numel']}), got {got}{_CONVERT_HINT}")
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
 
-    def _check_loaded(self, state_dict: dict) -> None:
-        """Check every tensor state of ``state_dict`` against the policy of its (loaded) group.
+    def _loaded_group(self, saved: dict, current: dict) -> dict:
+        """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""
+        return {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
 
-        Runs before ``load_state_dict`` changes anything, so a rejected checkpoint leaves the
-        optimizer as it was. Group/parameter count mismatches are left to torch's own errors.
+    def _check_loaded(self, state_dict: dict) -> None:
+        """Check every state of ``state_dict`` against this optimizer's state policy.
+
+        ``state_dict`` has passed :func:`check_layout` and has every option (:meth:`_with_missing_options`).
+        A parameter's entry is empty (no step yet) or holds exactly its rule's states, of the kinds the
+        optimizer creates (:meth:`_check_state`), and a one-element ``step`` tensor; then the policy
+        options (:data:`POLICY_OPTIONS`) must equal the optimizer's. Runs before ``load_state_dict``
+        changes anything, so a rejected checkpoint leaves the optimizer as it was.
         """
-        saved_groups = state_dict.get("param_groups", [])
-        if len(saved_groups) != len(self.param_groups):
-            return
+        name = type(self).__name__
         index = 0
-        for saved, current in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(current["params"]):
-                return
-            group = {**current, **{k: v for k, v in saved.items() if k != "params"}}
+        for saved, current in zip(state_dict["param_groups"], self.param_groups):
+            group = self._loaded_group(saved, current)
+            self._check_group(group)
+            names = [s.name for s in self.rule.states(self._flags(group))]
             for pid, p in zip(saved["params"], current["params"]):
-                for name, value in state_dict["state"].get(pid, {}).items():
-                    if isinstance(value, Tensor) and name != "step":
-                        self._check_state(p, group, index, name, value)
+                entry = state_dict["state"].get(pid) or {}
+                what = self._describe(index, p)
+                for n in (names + ["step"] if entry else []):
+                    if n not in entry:
+                        raise ValueError(f"{what}: the state dict lacks its state {n!r} (it has {sorted(entry)}; "
+                                         f"{name} keeps {names + ['step']}){_CONVERT_HINT}")
+                for n, value in entry.items():
+                    if n == "step":
+                        if not isinstance(value, Tensor) or value.numel() != 1:
+                            got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+                            raise ValueError(f"{what}, state 'step': expected a one-element tensor, got {got}")
+                    else:
+                        self._check_state(p, group, index, n, value)
                 index += 1
+        for gi, (saved, current) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
+            for option in POLICY_OPTIONS:
+                if saved[option] != current[option]:
+                    raise ValueError(f"{name}: param group {gi}, option {option!r}: expected {current[option]!r} "
+                                     f"(the optimizer's), the state dict has {saved[option]!r}{_CONVERT_HINT}")
 
     # ------------------------------------------------------------------ step
     @staticmethod
@@ -378,8 +421,11 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state_dict
     def _load_pre(self, state_dict: dict) -> dict:
+        """Validate all of ``state_dict`` (layout, states, policy options) before ``load_state_dict``
+        changes anything, and carry its states through it uncast."""
+        check_layout(state_dict, self.param_groups, type(self).__name__)
         state_dict = dict(state_dict)
-        state_dict["param_groups"] = self._with_missing_options(state_dict.get("param_groups", []))
+        state_dict["param_groups"] = self._with_missing_options(state_dict["param_groups"])
         self._check_loaded(state_dict)
         state_dict["state"] = {
             k: {n: (_Keep(v) if isinstance(v, Tensor) and n != "step" else v) for n, v in s.items()}
@@ -390,8 +436,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _with_missing_options(self, saved_groups: list) -> list:
         """``saved_groups`` with every option a group lacks (a checkpoint older than the option) set
         to the current group's value, so loading never drops an option."""
-        if len(saved_groups) != len(self.param_groups):
-            return saved_groups
         return [{**{k: v for k, v in current.items() if k not in saved}, **saved}
                 for saved, current in zip(saved_groups, self.param_groups)]
 
@@ -411,6 +455,34 @@ def _collective_device() -> torch.device:
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def check_layout(state_dict: Any, param_groups: list, name: str) -> None:
+    """Raise ``ValueError`` unless ``state_dict`` has the layout of a state dict of an optimizer
+    with ``param_groups``: keys ``state`` and ``param_groups``, as many groups, as many parameters
+    in each, and a dict of named values for each parameter with a state (and for no other key).
+    ``name`` (the optimizer's) begins each message."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"{name}: expected a state dict with keys 'param_groups' and 'state', got {keys}")
+    saved_groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups):
+        raise ValueError(f"{name}: 'param_groups' must be a list of dicts, each with a 'params' list")
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"{name}: expected {len(param_groups)} param groups, the state dict has {len(saved_groups)}")
+    for gi, (saved, current) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(current["params"]):
+            raise ValueError(f"{name}: param group {gi}: expected {len(current['params'])} params, "
+                             f"the state dict has {len(saved['params'])}")
+    if not isinstance(state, dict):
+        raise ValueError(f"{name}: 'state' must be a dict of each param's states, got {type(state).__name__}")
+    keys = {pid for g in saved_groups for pid in g["params"]}
+    for pid, entry in state.items():
+        if pid not in keys:
+            raise ValueError(f"{name}: 'state' has an entry for {pid!r}, which no param group lists")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{name}: the state of {pid!r} must be a dict, got {type(entry).__name__}")
 
 
 def _get_rng(device: torch.device) -> Tensor:
