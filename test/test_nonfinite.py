@@ -1,19 +1,22 @@
-"""Non-finite values: how quantized states store them.
+"""Non-finite values: how quantized states store them, and skipping steps on non-finite gradients.
 
 References: the storage rule computed per block in plain torch (an infinity
 decodes to the infinity of its sign, NaN stays NaN, the rest of such a block
 is NaN; finite blocks as if quantized alone), the other execution paths
 (``quantize`` against ``copy_``, the C kernel against the eager op-by-op
-step).
+step), and states snapshotted before a skipped step.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import qstate
+import qstate.amp
 import qstate.optim
+from dist_utils import run_distributed
 
 INF, NAN = float("inf"), float("nan")
 
@@ -135,3 +138,127 @@ def test_compiled_step_encodes_non_finite_values_as_quantize(fmt, rounding):
     ref = qstate.quantize(g, fmt, block_size=100, rounding=rounding)
     assert torch.equal(buf.codes, ref.codes)
     assert torch.equal(buf.scale.view(torch.int32), ref.scale.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------- skip_nonfinite
+def _params() -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(65, 130, generator=gen)), nn.Parameter(torch.randn(7, generator=gen))]
+
+
+def _grads(step: int, bad: float | None = None) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    gs = [torch.randn(65, 130, generator=gen), torch.randn(7, generator=gen)]
+    if bad is not None:
+        gs[0][3, 17] = bad
+    return gs
+
+
+def _snapshot(opt: torch.optim.Optimizer, ps: list[nn.Parameter]) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in ps]
+    for p in ps:
+        for v in opt.state.get(p, {}).values():
+            v = v.to_local() if hasattr(v, "to_local") else v
+            out += [v.codes.clone(), v.scale.clone()] if isinstance(v, qstate.QuantizedState) else [v.clone()]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+@pytest.mark.parametrize("bad", [INF, -INF, NAN])
+def test_skip_nonfinite_leaves_params_states_and_steps_bit_identical(fmt, compile, bad):
+    # plain parameters, quantized states (the [65, 130] weight) and a plain fp32 state (the bias); a bad
+    # gradient on the first step (nothing created) and on the third (nothing written); the run then equals
+    # one that never saw the bad gradients
+    make = lambda ps: qstate.optim.AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=0, compile=compile,
+                                         skip_nonfinite=True)
+    ps, ref_ps = _params(), _params()
+    opt, ref = make(ps), make(ref_ps)
+    for step in range(5):
+        if step in (0, 2):
+            before = _snapshot(opt, ps)
+            for p, g in zip(ps, _grads(step, bad)):
+                p.grad = g
+            opt.step()
+            assert _same(_snapshot(opt, ps), before), step
+            assert step or not opt.state
+        for p, g in zip(ps, _grads(step)):
+            p.grad = g
+        for p, g in zip(ref_ps, _grads(step)):
+            p.grad = g
+        opt.step()
+        ref.step()
+    assert _same(_snapshot(opt, ps), _snapshot(ref, ref_ps))
+    assert int(opt.state[ps[0]]["step"]) == 5
+
+
+def test_without_skip_nonfinite_a_nan_gradient_reaches_its_blocks():
+    # the default applies the gradient: a NaN makes the blocks holding it NaN in both moments (8bit: one
+    # block per row of 130), so the step after makes the parameter's whole row NaN; other rows stay finite
+    ps = _params()
+    opt = qstate.optim.AdamW(ps, lr=1e-2, state_format="8bit", min_quantize_numel=0)
+    for step in range(2):
+        for p, g in zip(ps, _grads(step, NAN if step == 0 else None)):
+            p.grad = g
+        opt.step()
+    m, v = (opt.state[ps[0]][n].dequantize() for n in ("exp_avg", "exp_avg_sq"))
+    assert m[3].isnan().all() and v[3].isnan().all() and ps[0][3].isnan().all()
+    rest = torch.cat([torch.arange(3), torch.arange(4, 65)])
+    assert m[rest].isfinite().all() and v[rest].isfinite().all() and ps[0][rest].isfinite().all()
+
+
+def test_skip_nonfinite_uses_a_scalers_found_inf_without_reading_gradients(monkeypatch):
+    import qstate.optim._base as base
+
+    ps = _params()
+    opt = qstate.optim.AdamW(ps, lr=1e-2, min_quantize_numel=0, skip_nonfinite=True)
+    checks = []
+    monkeypatch.setattr(base, "found_non_finite", lambda o: checks.append(o) or qstate.amp.found_non_finite(o))
+    for p, g in zip(ps, _grads(0, NAN)):
+        p.grad = g
+    opt.step(found_inf=torch.zeros(()))  # the scaler's verdict stands: the step is taken
+    assert checks == [] and ps[0][3].isnan().any()
+    opt.step()  # no scaler: the step checks, finds the NaN now in the parameter's gradient, and skips
+    assert checks == [opt]
+
+
+def test_skip_nonfinite_must_be_a_bool():
+    with pytest.raises(TypeError, match="AdamW: skip_nonfinite must be a bool, got 1"):
+        qstate.optim.AdamW(_params(), skip_nonfinite=1)
+
+
+def skip_on_one_rank_body(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(33, 130), nn.ReLU(), nn.Linear(130, 7))
+    fully_shard(model)
+    opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, min_quantize_numel=100, skip_nonfinite=True)
+
+    def backward(step: int) -> None:
+        x = torch.randn(8, 33, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().mean().backward()
+
+    backward(0)
+    opt.step()
+    opt.zero_grad()
+    backward(1)
+    if rank == 1:  # only rank 1's shard of the first weight's gradient holds a NaN
+        next(model.parameters()).grad.to_local().view(-1)[0] = NAN
+    before = _snapshot(opt, list(model.parameters()))
+    opt.step()
+    assert _same(_snapshot(opt, list(model.parameters())), before), rank
+    assert all(int(s["step"]) == 1 for s in opt.state.values())
+    opt.zero_grad()
+    backward(2)
+    opt.step()  # finite gradients: taken on both ranks
+    assert all(int(s["step"]) == 2 for s in opt.state.values())
+    assert all(p.to_local().isfinite().all() for p in model.parameters())
+
+
+def test_skip_nonfinite_skips_on_every_rank_when_one_ranks_gradient_has_a_nan():
+    run_distributed(skip_on_one_rank_body, 2)
