@@ -62,8 +62,8 @@ import torch
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
-from ..amp import found_non_finite
 from .._state import quantized_kind
+from ..amp import found_non_finite
 from ..distributed import local_of, state_kind, wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import functional as F
