@@ -7,7 +7,14 @@
 * ``unscale_ + step``: ``scaler.unscale_`` first (as before clipping): the
   check-and-unscale pass rewrites the gradient, then the update reads it again.
 
-    python benchmarks/bench_grad_scaling.py [--numel 16M] [--format 8bit] [--repeats 15]
+With ``--skip-nonfinite``, also (no scaler):
+
+* ``skip_nonfinite step``: ``opt.step()`` of an optimizer with
+  ``skip_nonfinite=True``, which checks the gradient first
+  (``qstate.amp.found_non_finite``: one pass, no collective here);
+* ``check alone``: that check by itself.
+
+    python benchmarks/bench_grad_scaling.py [--numel 16M] [--format 8bit] [--repeats 15] [--skip-nonfinite]
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 
 import torch
 
+import qstate.amp
 import qstate.optim
 
 
@@ -31,6 +39,8 @@ def main() -> None:
     ap.add_argument("--numel", default="16M")
     ap.add_argument("--format", default="8bit")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--skip-nonfinite", action="store_true",
+                    help="also time a step with skip_nonfinite=True and its gradient check alone")
     args = ap.parse_args()
     n = _numel(args.numel)
     p = torch.nn.Parameter(torch.randn(max(1, n // 1024), 1024))
@@ -51,6 +61,12 @@ def main() -> None:
         "scaler.step (fused)": (scaled_grad, lambda: scaler.step(opt)),
         "unscale_ + step": (scaled_grad, unscale_then_step),
     }
+    if args.skip_nonfinite:
+        checking = qstate.optim.AdamW([p], lr=1e-3, state_format=args.format, skip_nonfinite=True)
+        checking.state = opt.state  # the same states: the step's cost, not a first step's
+        cases["skip_nonfinite step"] = (lambda: setattr(p, "grad", grad.clone()), checking.step)
+        cases["check alone"] = (lambda: setattr(p, "grad", grad.clone()),
+                                lambda: qstate.amp.found_non_finite(checking).item())
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(args.repeats + 1):  # interleaved, so drift hits every case alike; first = warm-up
         for name, (prepare, run) in cases.items():
@@ -58,7 +74,7 @@ def main() -> None:
             t0 = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - t0)
-            if name != "unscaled":
+            if name in ("scaler.step (fused)", "unscale_ + step"):
                 scaler.update()
     times = {k: v[1:] for k, v in times.items()}
     base = statistics.median(times["unscaled"])

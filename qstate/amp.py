@@ -22,6 +22,9 @@ Its check runs per rank on the local gradients (the same
 dtype), then reduces ``found_inf`` exactly once per mesh dimension of the
 sharded gradients, on the mesh's device. Plain (non-DTensor) and replicated
 gradients are checked locally, as ``torch.amp.GradScaler`` does.
+
+:func:`found_non_finite` runs the same check without a scale (the
+optimizers' ``skip_nonfinite`` option).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections import defaultdict
 import torch
 from torch import Tensor
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "found_non_finite"]
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -43,37 +46,66 @@ class GradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Tensor, found_inf: Tensor,
                         allow_fp16: bool) -> dict[torch.device, Tensor]:
-        from torch.distributed.tensor import DTensor
+        grads, meshes = _local_grads(optimizer, "GradScaler", allow_fp16)
+        return _check_and_unscale(grads, meshes, found_inf, inv_scale)
 
-        grads: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
-        meshes: dict = {}  # DeviceMesh -> None, in first-seen order (equal meshes count once)
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                what = f"GradScaler: param {pi} of param group {gi} (shape {tuple(p.shape)})"
-                if g.is_sparse:
-                    raise TypeError(f"{what}: sparse gradients are not supported; use torch.amp.GradScaler")
-                if not allow_fp16 and g.dtype == torch.float16:
-                    raise ValueError(f"{what}: attempting to unscale float16 gradients")
-                if isinstance(g, DTensor):
-                    if not all(pl.is_replicate() for pl in g.placements):
-                        meshes.setdefault(g.device_mesh)
-                    g = g.to_local()  # each rank checks its shard; the reduction below makes it global
-                grads[g.device][g.dtype].append(g)
 
-        found: dict[torch.device, Tensor] = {}
-        for device, per_dtype in grads.items():
-            found[device] = flag = found_inf.to(device, copy=True)
-            inv = inv_scale.to(device)
-            for same_dtype in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
-        if not found:
-            found[found_inf.device] = found_inf
-        if meshes:
-            _reduce_found_inf(found, list(meshes))
-        return found
+def found_non_finite(optimizer: torch.optim.Optimizer) -> Tensor:
+    """A float32 flag, nonzero iff a gradient of ``optimizer`` holds an inf or a NaN on any rank.
+
+    The check :class:`GradScaler` runs, with a scale of 1 (the gradients keep their bits): one
+    read of the local gradients (DTensor gradients: each rank's shards) with
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` per device and dtype, then one all-reduce
+    (MAX) per mesh dimension of the sharded gradients. The flag lives on the first gradient's
+    device (CPU when there are none).
+    """
+    grads, meshes = _local_grads(optimizer, type(optimizer).__name__, allow_fp16=True)
+    device = next(iter(grads), torch.device("cpu"))
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    found = _check_and_unscale(grads, meshes, zero, torch.ones((), dtype=torch.float32, device=device))
+    return torch.stack([f.to(device) for f in found.values()]).amax()
+
+
+def _local_grads(optimizer: torch.optim.Optimizer, who: str, allow_fp16: bool) -> tuple[dict, list]:
+    """``optimizer``'s local gradients by device and dtype (a DTensor's: its shard), and the meshes
+    (first seen first, equal ones once) over which a non-replicated gradient is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    grads: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
+    meshes: dict = {}  # DeviceMesh -> None, in first-seen order (equal meshes count once)
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            what = f"{who}: param {pi} of param group {gi} (shape {tuple(p.shape)})"
+            if g.is_sparse:
+                hint = "; use torch.amp.GradScaler" if who == "GradScaler" else ""
+                raise TypeError(f"{what}: sparse gradients are not supported{hint}")
+            if not allow_fp16 and g.dtype == torch.float16:
+                raise ValueError(f"{what}: attempting to unscale float16 gradients")
+            if isinstance(g, DTensor):
+                if not all(pl.is_replicate() for pl in g.placements):
+                    meshes.setdefault(g.device_mesh)
+                g = g.to_local()  # each rank checks its shard; the reduction below makes it global
+            grads[g.device][g.dtype].append(g)
+    return grads, list(meshes)
+
+
+def _check_and_unscale(grads: dict, meshes: list, found_inf: Tensor, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+    """Unscale ``grads`` (from :func:`_local_grads`) by ``inv_scale`` and flag non-finite values:
+    one flag per device (copies of ``found_inf``), each the max over the ranks of ``meshes``."""
+    found: dict[torch.device, Tensor] = {}
+    for device, per_dtype in grads.items():
+        found[device] = flag = found_inf.to(device, copy=True)
+        inv = inv_scale.to(device)
+        for same_dtype in per_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, inv)
+    if not found:
+        found[found_inf.device] = found_inf
+    if meshes:
+        _reduce_found_inf(found, meshes)
+    return found
 
 
 def _reduce_found_inf(found: dict[torch.device, Tensor], meshes: list) -> None:

@@ -26,10 +26,28 @@ a format may also implement ``rounding="stochastic"`` (unbiased, see
 :meth:`BlockFormat.supports_rounding`. A value on a code (0, a block's
 absmax at ``+-max_code`` where the map has it) encodes exactly in both modes,
 so scales and zero blocks do not depend on the mode.
+
+Non-finite values: a block's absmax is ``+inf`` if the block holds an
+infinity, else NaN if it holds a NaN (:func:`block_absmax`), so its scale is
+infinite or NaN and its finite values cannot be represented. The normalized
+value of an element is ``x / scale`` except where that is NaN
+(:meth:`BlockFormat.normalize`): an infinity then takes ``+-max_code`` (the
+code of its sign at the end of the map), a NaN the zero code (and a finite
+value of a NaN-scale block ``x`` clamped to ``+-max_code``, which decodes to
+NaN whatever its code). Decoding ``code_value * scale``
+then gives, for every format, rounding mode and path that encodes:
+
+* an infinity decodes to the infinity of its sign (an unsigned state, which
+  has no negative codes, decodes ``-inf`` as NaN);
+* a NaN decodes to NaN;
+* every other element of a block holding an infinity or a NaN decodes to NaN
+  (``0 * inf`` or ``* NaN``): a value that lost its scale is marked lost,
+  never invented (a second moment read back as 0 would blow up an update).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -37,7 +55,25 @@ from torch import Tensor
 
 from ._rounding import ROUNDINGS
 
-__all__ = ["BlockFormat"]
+__all__ = ["BlockFormat", "block_absmax"]
+
+
+def block_absmax(magnitudes: Tensor, amax: Optional[Tensor] = None) -> Tensor:
+    """Max over the last dim of ``magnitudes`` (``|x|`` of each block): ``+inf`` where a block
+    holds an infinity, even beside a NaN; else NaN where it holds a NaN; else the max.
+
+    An infinity outranks a NaN so that it keeps its sign (module docstring); ``torch.amax``
+    alone would give NaN. ``amax``: ``magnitudes.amax(-1)`` where the caller has it.
+    """
+    amax = magnitudes.amax(-1) if amax is None else amax
+    return torch.where((magnitudes == math.inf).any(-1), math.inf, amax)
+
+
+def _all_finite_on_cpu(amax: Tensor) -> bool:
+    """Whether ``amax`` is known finite without a device sync or a graph break: eager CPU tensors
+    only (then :func:`block_absmax` is ``amax`` and :meth:`BlockFormat.normalize` a division, so
+    :meth:`BlockFormat.encode` skips their extra passes; elsewhere it runs them)."""
+    return amax.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax.isfinite().all())
 
 
 class BlockFormat:
@@ -83,6 +119,24 @@ class BlockFormat:
         raise NotImplementedError
 
     # -- block handling (shared) --------------------------------------
+    def scale_of(self, absmax: Tensor) -> Tensor:
+        """Block scales of block absmaxes (:func:`block_absmax`): ``absmax / max_code``."""
+        return absmax / self.max_code if self.max_code != 1.0 else absmax
+
+    def normalize(self, blocks: Tensor, scale: Tensor) -> Tensor:
+        """Normalized values of ``blocks`` (``[..., block]``) under their ``scale`` (``[...]``).
+
+        ``x / scale`` (``x`` itself for a zero block), except where that is NaN, which happens
+        only in blocks whose scale is infinite or NaN: there ``x`` clamped to
+        ``[-max_code, max_code]`` (an infinity takes ``+-max_code``), 0 for a NaN ``x`` (see the
+        module docstring). Every path that encodes (this, the compiled kernels, the C kernel's
+        ``normalized``) uses this rule.
+        """
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        y = blocks / safe.unsqueeze(-1)
+        lost = blocks.clamp(-self.max_code, self.max_code).nan_to_num(0.0)
+        return torch.where(y.isnan(), lost, y)
+
     def check_block_size(self, block_size: int) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"format '{self.name}': block_size must be a positive int, got {block_size!r}")
@@ -114,10 +168,14 @@ class BlockFormat:
         if padded != row_len:
             x = torch.nn.functional.pad(x, (0, padded - row_len))
         blocks = x.view(rows, nblocks, block_size)
-        absmax = blocks.abs().amax(dim=-1)
-        scale = absmax / self.max_code if self.max_code != 1.0 else absmax
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        y = blocks / safe.unsqueeze(-1)
+        magnitudes = blocks.abs()
+        amax = magnitudes.amax(dim=-1)
+        if _all_finite_on_cpu(amax):  # the same results, without the passes non-finite blocks need
+            scale = self.scale_of(amax)
+            y = blocks / torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
+        else:
+            scale = self.scale_of(block_absmax(magnitudes, amax))
+            y = self.normalize(blocks, scale)
         codes = self.code_of(y, signed, qmap, rounding=rounding).view(rows, padded)[:, :row_len]
         return self.pack(codes), scale
 

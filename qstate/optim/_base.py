@@ -30,6 +30,13 @@ argument checks and static flags; everything else lives here:
   instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
   update unscales the gradient as it reads it, and a nonzero ``found_inf``
   skips the step before anything (states, step counts) is created or written.
+* **non-finite gradients**: by default a step applies them as they are (an
+  inf or NaN reaches its quantized blocks and the parameter, see
+  ``qstate/formats/_base.py``). ``skip_nonfinite=True`` (optimizer-wide: a
+  step is taken or skipped as a whole, as with ``found_inf``) computes
+  ``found_inf`` when no scaler gave one (:func:`qstate.amp.found_non_finite`:
+  one read of the gradients, one all-reduce per mesh), so such a step is
+  skipped on every rank.
 * **stochastic rounding** of bfloat16 parameters: the random stream is the
   optimizer's own, a function of ``(seed, param group index, step)`` only: the
   generator of each device is seeded from them for the group's update (and the
@@ -79,6 +86,7 @@ from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
 from .._state import quantized_kind
+from ..amp import found_non_finite
 from ..distributed import local_of, state_kind, wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import functional as F
@@ -142,7 +150,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
-                 state_rounding: Optional[str] = None):
+                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
         name = type(self).__name__
         defaults = dict(defaults)
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
@@ -153,6 +161,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         if not isinstance(compile, bool):
             raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
         self.compile = compile
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(f"{name}: skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+        #: skip a step whose gradients hold an inf or a NaN on any rank (see step)
+        self.skip_nonfinite = skip_nonfinite
         self._n_params = 0
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
@@ -375,7 +387,13 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:
-        """One step. ``grad_scale``/``found_inf`` default to the attributes a ``GradScaler`` sets."""
+        """One step. ``grad_scale``/``found_inf`` default to the attributes a ``GradScaler`` sets.
+
+        A nonzero ``found_inf`` skips the step before anything is created or written: parameters,
+        states and step counts keep their bits. With ``skip_nonfinite`` and no ``found_inf`` (a
+        scaler's, already checked, is used as it is), the step computes it first: a step whose
+        gradients hold an inf or a NaN on any rank is skipped on every rank.
+        """
         self._agree_seed()  # first, on every rank: before anything that may skip the step on some rank
         loss = None
         if closure is not None:
@@ -383,6 +401,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
+        if found_inf is None and self.skip_nonfinite:
+            found_inf = found_non_finite(self)
         if F.skip_step(found_inf):
             return loss
         index = None

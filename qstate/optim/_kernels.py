@@ -65,7 +65,7 @@ from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
 from .._state import QuantizedState
-from ..formats import get_format
+from ..formats import block_absmax, get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._prepared import PreparedUpdate
@@ -202,11 +202,9 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         for fmt, codec, bs, rounding, value, (codes, scale, tables) in zip(
                 fmts, codecs, block_sizes, roundings, new, states):
             # reduced as [R, NB, ., bs]: a loop nest of its own, apart from the [N, unit] element loops
-            absmax = torch.where(valid, value.abs(), 0.0).view(rows, nb, unit // bs, bs).amax(dim=-1)
-            absmax = absmax.view(n, unit // bs)
-            new_scale = absmax / fmt.max_code if fmt.max_code != 1.0 else absmax
-            safe = torch.where(new_scale == 0, torch.ones_like(new_scale), new_scale)
-            y = value.view(n, unit // bs, bs) / safe.unsqueeze(-1)
+            absmax = block_absmax(torch.where(valid, value.abs(), 0.0).view(rows, nb, unit // bs, bs))
+            new_scale = fmt.scale_of(absmax.view(n, unit // bs))
+            y = fmt.normalize(value.view(n, unit // bs, bs), new_scale)
             # padding lanes get arbitrary codes: _BlockSpace.write_back drops them
             codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding).view(n, unit)))
             new_scales.append(new_scale)

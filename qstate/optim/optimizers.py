@@ -23,7 +23,17 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
 * ``seed``: seed of the stochastic-rounding stream (default: drawn from the
   global generator at construction and, when ``torch.distributed`` runs more
   than one rank, replaced by rank 0's at the first step that rounds, so every
-  rank draws the same stream).
+  rank draws the same stream);
+* ``skip_nonfinite`` (False): skip a step whose gradients hold an inf or a
+  NaN on any rank, leaving parameters, states and step counts bit-identical
+  (torch's AMP ``found_inf`` protocol; a ``GradScaler``'s ``found_inf`` is
+  used as it is, otherwise the step checks the gradients:
+  :func:`qstate.amp.found_non_finite`). Optimizer-wide: a step is taken or
+  skipped as a whole. With the default the gradient is applied as it is: an
+  inf or NaN makes that element's update non-finite, as in ``torch.optim``,
+  and in a quantized state the whole block of each state it reaches (its
+  finite values decode as NaN; ``qstate/formats/_base.py``), so the
+  parameter elements those blocks update.
 
 torch.optim's implementation arguments (``fused``, ``foreach``, ``capturable``,
 ``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion all
@@ -107,14 +117,15 @@ class Adam(QuantizedOptimizer):
                  decoupled_weight_decay: Optional[bool] = None, state_format: str = "8bit",
                  block_size: Optional[int] = None, min_quantize_numel: int = 4096,
                  bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None):
+                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
         decoupled = self._decoupled_default if decoupled_weight_decay is None else decoupled_weight_decay
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=decoupled)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding)
+                         compile=compile, seed=seed, state_rounding=state_rounding,
+                         skip_nonfinite=skip_nonfinite)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -139,12 +150,14 @@ class AdamW(Adam):
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, state_format: str = "8bit", block_size: Optional[int] = None,
                  min_quantize_numel: int = 4096, bf16_stochastic_round: bool = False, compile: bool = True,
-                 seed: Optional[int] = None, state_rounding: Optional[str] = None):
+                 seed: Optional[int] = None, state_rounding: Optional[str] = None,
+                 skip_nonfinite: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding)
+                         compile=compile, seed=seed, state_rounding=state_rounding,
+                         skip_nonfinite=skip_nonfinite)
 
 
 class Lion(QuantizedOptimizer):
@@ -157,12 +170,13 @@ class Lion(QuantizedOptimizer):
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
                  state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
                  bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None):
+                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding)
+                         compile=compile, seed=seed, state_rounding=state_rounding,
+                         skip_nonfinite=skip_nonfinite)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -185,13 +199,14 @@ class SGD(QuantizedOptimizer):
                  foreach: Optional[bool] = None, differentiable: bool = False, fused: Optional[bool] = None,
                  state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
                  bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None):
+                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding)
+                         compile=compile, seed=seed, state_rounding=state_rounding,
+                         skip_nonfinite=skip_nonfinite)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__

@@ -38,10 +38,12 @@
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
- * 16 at a time (map4_code16: a search of the code thresholds, or of the map for stochastic rounding; blocks
- * with an infinite or NaN scale stay scalar). With AVX2 (on machines without AVX-512 VBMI, and for
- * what the 64- and 16-lane loops leave), fp8 states encode 8 values at a time (fp8_code8) and decode
- * from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
+ * 16 at a time (map4_code16: a search of the code thresholds, or of the map for stochastic rounding).
+ * Blocks with an infinite or NaN scale (an infinity or a NaN among their values: block_absmax's
+ * rule, an infinity outranking a NaN) take the scalar encode of every kind, whose ``normalized``
+ * gives their infinities +-max_code and their NaNs 0 (BlockFormat.normalize).
+ * With AVX2 (on machines without AVX-512 VBMI, and for what the 64- and 16-lane loops leave),
+ * fp8 states encode 8 values at a time (fp8_code8) and decode from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
  * search) and decode from two registers (lookup16), and 8-bit map states rounded to nearest encode 8
  * at a time (table_code8: ENCODE's steps in vectors around 8 loads from the packed table). Everything
  * else (stochastic rounding of 8-bit map states included), and every tail, uses the scalar
@@ -281,6 +283,22 @@ static inline uint8_t fp8_code(float y, int is_signed) {
  * more (amax 1000 * 2**-149 has the divisor 2 * 2**-149, and y = 500), an infinite or NaN one gives NaN
  * values. */
 static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
+
+/* The normalized value of x in a block of divisor div (BlockFormat.normalize): x / div, except where that is
+ * NaN, which only a block whose scale is infinite or NaN gives: there x clamped to [-max_code, max_code] (an
+ * infinity takes +-max_code), 0 for a NaN x, so infinities decode to their sign's infinity and everything else
+ * in the block to NaN (selects; the vector encodes never see such blocks: NONFINITE_BLOCK) */
+static inline float normalized(float x, float div, float max_code) {
+    const float y = x / div;
+    const float clamped = x < -max_code ? -max_code : (x > max_code ? max_code : x);
+    const float lost = x != x ? 0.0f : clamped;
+    return y != y ? lost : y;
+}
+
+/* whether a block of divisor div has an infinite or NaN scale: its elements take the scalar encode */
+#define NONFINITE_BLOCK(div) (!((div) < INFINITY))
+/* state i's normalized value of x in the block being encoded (ENCODE_BLOCKS' div) */
+#define NORMALIZED(i, x) normalized((x), div, S##i##_MAXCODE)
 
 /* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
  * then stochastic rounding for S<i>_SR states. */
@@ -769,7 +787,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     s##i = S##i##_PLAIN ? (S##i##_BF16 ? bf16_to_f(pb##i[col + j]) : pf##i[col + j]) : vals##i[j];
 /* a plain state's new value in place; a quantized state's into the segment buffer, and |value| as bits
  * into the group's running max (integer order is float order for |x|, and a NaN is above every number,
- * so the max propagates NaN as torch.amax) */
+ * so the max propagates NaN as torch.amax; ENCODE_BLOCKS then lets an infinity outrank it) */
 #define STORE_STATE(i)                                                                    \
     if (S##i##_PLAIN) {                                                                   \
         if (S##i##_BF16) pb##i[col + j] = f_to_bf16(s##i);                                \
@@ -789,7 +807,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 /* whether state i's block with divisor div takes the vector 4-bit encodes (map4_code16, map4_code8): a
  * 16-entry map state, unless the block's scale is infinite or NaN: only such blocks hold NaN values
  * (|x| <= div otherwise), whose codes (the packed table's, by payload) the threshold search does not give */
-#define ENC4_VECTOR_BLOCK(i, div) (S##i##_ENC4 && (div) < INFINITY)
+#define ENC4_VECTOR_BLOCK(i, div) (S##i##_ENC4 && !NONFINITE_BLOCK(div))
 #if HAVE_VBMI
 #define DECLARE_ENC8(i)                                                                   \
     __m512i thr##i[4][4];                                                                 \
@@ -884,6 +902,10 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         uint32_t abits = 0;                                                               \
         for (int64_t k = (b0 - c0) / GROUP; k < (b0 - c0 + bn + GROUP - 1) / GROUP; k++)  \
             abits = gbits##i[k] > abits ? gbits##i[k] : abits;                            \
+        /* block_absmax: an infinity outranks a NaN (rare blocks: the scan costs nothing otherwise) */ \
+        if (abits > 0x7f800000u)                                                          \
+            for (int64_t k = 0; k < bn; k++)                                              \
+                if (fabsf(x[k]) == INFINITY) abits = 0x7f800000u;                         \
         const float amax = u2f(abits);                                                    \
         const float scale = S##i##_FP8 ? amax / S##i##_MAXCODE : amax;                    \
         st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;                     \
@@ -891,14 +913,16 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
         if (S##i##_BITS == 8) {                                                           \
             int64_t j0 = 0;                                                               \
-            ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                    \
-            ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                                 \
-            ENCODE8_AVX2(i, x, bn, div, cp + b0, j0)                                      \
+            if (!NONFINITE_BLOCK(div)) {                                                  \
+                ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                \
+                ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                             \
+                ENCODE8_AVX2(i, x, bn, div, cp + b0, j0)                                  \
+            }                                                                             \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0; j < bn; j++) {                                           \
                 uint8_t c;                                                                \
-                ENCODE(i, x[j] / div, c);                                                 \
+                ENCODE(i, NORMALIZED(i, x[j]), c);                                        \
                 cp[b0 + j] = c;                                                           \
             }                                                                             \
         } else {                                                                          \
@@ -910,13 +934,13 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0 / 2; j < pairs; j++) {                                    \
                 uint8_t lo, hi;                                                           \
-                ENCODE(i, x[2 * j] / div, lo);                                            \
-                ENCODE(i, x[2 * j + 1] / div, hi);                                        \
+                ENCODE(i, NORMALIZED(i, x[2 * j]), lo);                                   \
+                ENCODE(i, NORMALIZED(i, x[2 * j + 1]), hi);                               \
                 bp[j] = (uint8_t)(lo | (hi << 4));                                        \
             }                                                                             \
             if (bn & 1) {                                                                 \
                 uint8_t lo;                                                               \
-                ENCODE(i, x[bn - 1] / div, lo);                                           \
+                ENCODE(i, NORMALIZED(i, x[bn - 1]), lo);                                  \
                 bp[pairs] = lo;                                                           \
             }                                                                             \
         }                                                                                 \
