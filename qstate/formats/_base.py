@@ -70,10 +70,12 @@ def block_absmax(magnitudes: Tensor, amax: Optional[Tensor] = None) -> Tensor:
 
 
 def _all_finite_on_cpu(amax: Tensor) -> bool:
-    """Whether ``amax`` is known finite without a device sync or a graph break: eager CPU tensors
-    only (then :func:`block_absmax` is ``amax`` and :meth:`BlockFormat.normalize` a division, so
+    """Whether ``amax`` is known finite without a device sync or a graph break: plain eager CPU
+    tensors only, not fake or other subclass tensors, whose values cannot be read (then
+    :func:`block_absmax` is ``amax`` and :meth:`BlockFormat.normalize` a division, so
     :meth:`BlockFormat.encode` skips their extra passes; elsewhere it runs them)."""
-    return amax.device.type == "cpu" and not torch.compiler.is_compiling() and bool(amax.isfinite().all())
+    return (type(amax) is Tensor and amax.device.type == "cpu" and not torch.compiler.is_compiling()
+            and bool(amax.isfinite().all()))
 
 
 class BlockFormat:
