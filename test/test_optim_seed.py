@@ -120,7 +120,7 @@ def test_replicas_seeded_differently_round_alike():
     run_distributed(_replicas, 2)
 
 
-def test_without_torch_distributed_the_seed_is_drawn_at_construction():
+def _seed_drawn_at_construction() -> None:
     assert not dist.is_initialized()
     torch.manual_seed(3)
     drawn = int(torch.randint(0, 2**62, (1,)).item())
@@ -134,6 +134,13 @@ def test_without_torch_distributed_the_seed_is_drawn_at_construction():
     _steps(q, _optimizer(q, seed=drawn), 0, STEPS)
     assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16))
 
+
+def test_without_torch_distributed_the_seed_is_drawn_at_construction():
+    # in a fresh process: tests run earlier in this one may have initialized a (fake) process group
+    proc = torch.multiprocessing.get_context("spawn").Process(target=_seed_drawn_at_construction)
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0, f"the check failed in its process (exit code {proc.exitcode}; its traceback above)"
 
 def test_a_group_with_its_own_seed_keeps_it():
     torch.manual_seed(0)
