@@ -16,13 +16,14 @@ from torch import Tensor
 
 from ..distributed import is_quantized_state
 from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout
+from .optimizers import IMPLEMENTATION_OPTIONS
 
 __all__ = ["convert_state_dict"]
 
 #: group options only qstate's optimizers have; a state dict for another optimizer drops them
 _QSTATE_OPTIONS = POLICY_OPTIONS + ("bf16_stochastic_round", "seed")
 #: group options only torch.optim's optimizers have (how its step runs); qstate's drop them
-_TORCH_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+_TORCH_OPTIONS = IMPLEMENTATION_OPTIONS
 
 
 def convert_state_dict(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict:

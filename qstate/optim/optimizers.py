@@ -86,6 +86,9 @@ _IMPLEMENTATION = {
     "differentiable": ((False,), "qstate's update runs without autograd and writes quantized states in place"),
 }
 
+#: the names of torch.optim's implementation arguments
+IMPLEMENTATION_OPTIONS = tuple(_IMPLEMENTATION)
+
 
 def _check_implementation(name: str, group: dict) -> None:
     """Raise a ``ValueError`` unless ``group``'s torch.optim implementation arguments (those it has
