@@ -31,8 +31,9 @@ Shape independence
   broadcast, the absmax a reduction over the last dim, and inductor emits one
   loop over block rows: absmax of the recomputed new states, then encode and
   parameter update in the same iteration (the new states are recomputed, not
-  stored: ``_INDUCTOR_OPTIONS``). The new scales are returned (the old ones are
-  still read in that loop) and copied by :func:`run_fused`.
+  stored: ``_RECOMPUTE_OPTIONS``; kinds with heavier encodes store them). The new
+  scales are returned (the old ones are still read in that loop) and copied by
+  :func:`run_fused`.
 * Every block row's update reads only that row and the scalars, so the
   calls of one kind may run as one over concatenated copies of their block
   rows (plain kinds: of their elements), the parameter as a single row of
@@ -223,13 +224,24 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
 # ------------------------------------------------------------------ compile once per kind
 _KERNELS: dict[tuple, Callable] = {}
 
-_INDUCTOR_OPTIONS = {
-    "assert_indirect_indexing": False,
-    # recompute decoded states in every loop that needs them instead of storing fp32 copies
+_INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
+#: added for kinds whose states all encode by one table lookup (8-bit and fp8, rounded to
+#: nearest): recompute decoded states in every loop that needs them instead of storing fp32
+#: copies. Where an encode is heavier (a packed 4-bit byte encodes two elements, stochastic
+#: rounding draws per element), recomputing it in every loop makes inductor's CPU code
+#: generation take minutes instead of seconds, for no faster step (benchmarks/RESULTS.md)
+_RECOMPUTE_OPTIONS = {
     "realize_reads_threshold": 1000,
     "realize_opcount_threshold": 10_000,
     "realize_acc_reads_threshold": 1000,
 }
+
+
+def _inductor_options(spec: KernelSpec) -> dict:
+    """The kind's inductor options: :data:`_RECOMPUTE_OPTIONS` where every state encodes cheaply."""
+    if spec.quantized and any(get_format(s[1]).bits == 4 or s[4] == "stochastic" for s in spec.states):
+        return _INDUCTOR_OPTIONS
+    return {**_INDUCTOR_OPTIONS, **_RECOMPUTE_OPTIONS}
 
 
 def _own_code(fn: Callable, name: str) -> Callable:
@@ -256,7 +268,7 @@ def get_kernel(spec: KernelSpec, device: torch.device) -> Callable:
         else:
             body = _plain_body(spec, rule, flags)
         body = _own_code(body, "qstate_kernel_" + spec.tag())
-        fn = _KERNELS[key] = torch.compile(body, fullgraph=True, dynamic=True, options=_INDUCTOR_OPTIONS)
+        fn = _KERNELS[key] = torch.compile(body, fullgraph=True, dynamic=True, options=_inductor_options(spec))
     return fn
 
 
