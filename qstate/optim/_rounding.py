@@ -55,7 +55,13 @@ def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
     kernel's ``param_draw``)."""
     inner = lowbias32_int((index & MASK32) ^ (key & MASK32))
-    return lowbias32_int(inner ^ ((index >> 32) & MASK32) ^ ((key >> 32) & MASK32)) >> 16
+    return _shr(lowbias32_int(inner ^ (_shr(index, 32) & MASK32) ^ (_shr(key, 32) & MASK32)), 16)
+
+
+def _shr(x: Union[Tensor, int], s: int) -> Union[Tensor, int]:
+    """``x >> s`` (arithmetic); for tensors ``torch.bitwise_right_shift``, which DTensor runs shard by
+    shard (its ``x >> s``, ``aten.__rshift__``, returns ``x``: torch 2.13, 2.14)."""
+    return torch.bitwise_right_shift(x, s) if isinstance(x, Tensor) else x >> s
 
 
 def key_draws(key: int, p: Tensor, start: int = 0) -> Tensor:
