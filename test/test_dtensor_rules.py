@@ -778,6 +778,7 @@ aten.__rshift__.Scalar _custom_op_handlers added
 aten.__rshift__.Tensor _custom_op_handlers added
 aten.__lshift__.Scalar _custom_op_handlers added
 aten.__lshift__.Tensor _custom_op_handlers added
+qstate.stochastic_round_bf16.default op_strategy_funcs added
 qstate.fused_update.default _custom_op_handlers added""")
         # torch 2.14 keeps view.dtype's and fill_.Scalar's strategies in the single-dim table, 2.13 in the
         # op strategy table

@@ -15,6 +15,8 @@ replacements as data:
   ``Partial`` inputs
 * :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),
   which torch returns unchanged
+* :mod:`._rounding_ops` ``qstate::stochastic_round_bf16``: shard by shard,
+  ``Partial`` reduced first
 * :mod:`._fused_ops`   ``qstate::fused_update`` (qstate's optimizer update): shard
   by shard when param, grad and states share one layout
 
@@ -25,7 +27,7 @@ puts torch's entries back, :func:`installed` lists what is overridden and why.
 
 from __future__ import annotations
 
-from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _shift_ops, _view_ops
+from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _rounding_ops, _shift_ops, _view_ops
 from qstate.dtensor_rules._comm import (
     forbid_implicit_communication,
     ImplicitCommunicationError,
@@ -57,7 +59,7 @@ __all__ = [
 
 #: Every rule this package knows, in the order it is applied.
 RULES: tuple[Rule, ...] = (_view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _shift_ops.RULES
-                          + _fused_ops.RULES)
+                          + _rounding_ops.QSTATE_OP_RULES + _fused_ops.RULES)
 
 _REGISTRY = Registry(RULES)
 
