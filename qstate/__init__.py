@@ -8,8 +8,12 @@ DTensor sharding rules :mod:`qstate.dtensor_rules`. Optimizers live in
 loading in :mod:`qstate.checkpoint`.
 
 Importing qstate (1) registers :class:`QuantizedState` and its rebuild
-function as ``torch.load(weights_only=True)`` safe globals and (2) installs
-the DTensor sharding rules (``qstate.dtensor_rules.uninstall()`` undoes it).
+function as ``torch.load(weights_only=True)`` safe globals and (2) registers
+the DTensor rules of qstate's own operators (``qstate::fused_update``,
+``qstate::flat_index_like``, ``qstate::stochastic_round_bf16``), which is all
+qstate's states and optimizers need. It changes no DTensor rule of a torch op:
+qstate's replacements of those (the upstream patch series, applied at run
+time) are opt-in, :func:`qstate.dtensor_rules.install`.
 """
 
 import torch
@@ -28,4 +32,4 @@ __version__ = "0.1.0"
 #: what ``import qstate`` adds to ``torch.serialization``'s safe globals
 SAFE_GLOBALS = [QuantizedState, _rebuild_quantized_state]
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
-dtensor_rules.install()
+dtensor_rules.register_qstate_ops()

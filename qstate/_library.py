@@ -24,6 +24,12 @@ without importing the optimizers.
   from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
   DTensor handler: :mod:`qstate.dtensor_rules._random_ops`). Stochastic
   rounding hashes it with a key, so every path and layout draws alike.
+* ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to
+  bfloat16 with the integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape
+  (kernel: :mod:`qstate.optim._rounding`, DTensor strategy:
+  :mod:`qstate.dtensor_rules._rounding_ops`). Its kernel reinterprets bits with
+  ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's
+  own rule, whatever torch's rule for ``view(dtype)`` is.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from typing import Sequence, Union
 
-__all__ = ["LIBRARY", "flat_index_like", "fused_update", "hyper_tensor", "states_per_param"]
+__all__ = ["LIBRARY", "flat_index_like", "fused_update", "hyper_tensor", "states_per_param", "stochastic_round_bf16"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
@@ -40,9 +46,11 @@ LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] s
                "int[]? sr_keys=None, int[]? starts=None) -> ()")
 
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
+LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
 
 fused_update = torch.ops.qstate.fused_update.default
 flat_index_like = torch.ops.qstate.flat_index_like.default
+stochastic_round_bf16 = torch.ops.qstate.stochastic_round_bf16.default
 
 
 def hyper_tensor(hyper: Union[torch.Tensor, Sequence[float]]) -> torch.Tensor:

@@ -5,12 +5,18 @@
 * the harness is shown to fail on torch 2.13's own rules (uninstalled state);
 * collective counts are pinned with ``assertExpectedInline``;
 * the stochastic-rounding bit sequence runs shard by shard with no collective;
-* install / uninstall / installed() and the cache clearing are checked.
+* install / uninstall / installed() and the cache clearing are checked;
+* ``import qstate`` changes no rule of a torch op (only ``qstate::`` entries),
+  and PyTorch's own DTensor tests that the opt-in rules change pass with it.
+
+The opt-in rules (:func:`qstate.dtensor_rules.install`) are installed for this
+module by a fixture, and uninstalled after it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,7 +76,7 @@ def harness() -> Harness:
 
 @pytest.fixture(scope="module", autouse=True)
 def rules_installed() -> Iterator[None]:
-    """The rules are installed for this module; the prior state is restored after."""
+    """The opt-in rules are installed for this module; the prior state is restored after."""
     was_installed = rules.is_installed()
     rules.install()
     yield
@@ -531,6 +537,30 @@ def test_stochastic_rounding_sequence(shape, mesh_shape, placements) -> None:
         assert torch.equal(whole.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(8, 16), (7, 10), (3, 2)], ids=str)
+@pytest.mark.parametrize("mesh_shape,placements", SR_LAYOUTS + [((4,), (Partial("sum"),))], ids=str)
+def test_qstate_stochastic_rounding_needs_no_opt_in_rule(torch_rules: None, shape, mesh_shape, placements) -> None:
+    """What the optimizers run on DTensors (``key_draws`` + ``stochastic_round_bf16``) gives the
+    unsharded bits shard by shard under torch's own rules: only qstate's ops' rules are needed."""
+    from qstate.optim._rounding import key_draws
+    from qstate.optim import stochastic_round_bf16 as qstate_round
+
+    h = harness()
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 3
+    key = 0x9E3779B97F4A7C15
+    want = qstate_round(full, key_draws(key, full))
+    partial = isinstance(placements[0], Partial)
+    with h.simulate():
+        mesh = h.mesh(mesh_shape)
+        d = make_dtensor(full, placements, mesh)
+        with CommDebugMode() as comm:
+            out = qstate_round(d, key_draws(key, d))
+        assert comm.get_total_counts() == (1 if partial else 0), comm.get_comm_counts()
+        assert out.placements == ((Replicate(),) if partial else placements)
+        whole = out.full_tensor()._local_tensors[0]
+        assert torch.equal(whole.view(torch.int16), want.view(torch.int16))
+
+
 # ============================================================= Partial ops
 FILL_DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 
@@ -739,8 +769,16 @@ _TABLES = {
 
 
 class TestInstalledOverrides(expecttest.TestCase):
+    def test_qstate_ops_registered_at_import(self) -> None:
+        # what import qstate writes into DTensor's tables: qstate's own ops only
+        lines = [f"{o.op} {o.table} {o.action}" for o in rules._QSTATE_OPS.installed()]
+        self.assertExpectedInline("\n".join(lines), """\
+qstate.flat_index_like.default _custom_op_handlers added
+qstate.stochastic_round_bf16.default op_strategy_funcs added
+qstate.fused_update.default _custom_op_handlers added""")
+
     def test_installed_lists_every_override(self) -> None:
-        # what import qstate changes in DTensor's tables: one line per table entry, in the order of RULES,
+        # what install() changes in DTensor's tables: one line per table entry, in the order of RULES,
         # each with a reason (checked in test_install_uninstall_restore_tables_exactly)
         lines = [f"{o.op} {o.table} {o.action}" for o in rules.installed()]
         by_version = ("aten.view.dtype ", "aten.fill_.Scalar ")
@@ -763,7 +801,6 @@ aten.rand_like.generator op_to_schema_info added
 aten.random_.default op_strategy_funcs added
 aten.random_.from op_strategy_funcs added
 aten.random_.to op_strategy_funcs added
-qstate.flat_index_like.default _custom_op_handlers added
 aten.fill_.Tensor op_strategy_funcs added
 aten.copy_.default op_single_dim_strategy_funcs removed
 aten.copy_.default op_to_schema_info_for_single_dim_strategy removed
@@ -777,8 +814,7 @@ aten.sub.out op_single_dim_strategy_funcs replaced
 aten.__rshift__.Scalar _custom_op_handlers added
 aten.__rshift__.Tensor _custom_op_handlers added
 aten.__lshift__.Scalar _custom_op_handlers added
-aten.__lshift__.Tensor _custom_op_handlers added
-qstate.fused_update.default _custom_op_handlers added""")
+aten.__lshift__.Tensor _custom_op_handlers added""")
         # torch 2.14 keeps view.dtype's and fill_.Scalar's strategies in the single-dim table, 2.13 in the
         # op strategy table
         moved = "\n".join(line for line in lines if line.startswith(by_version))
@@ -894,35 +930,92 @@ def test_uninstall_leaves_foreign_entries_alone(torch_rules: None) -> None:
         handlers.pop(aten.random_.default, None)
 
 
-def test_import_has_no_side_effects() -> None:
-    """``import qstate.dtensor_rules`` (without qstate/__init__) touches no DTensor table."""
-    code = textwrap.dedent(
-        """
-        import os, sys, types
-        import torch
-        from torch.distributed.tensor import DTensor
-        root = sys.argv[1]
-        pkg = types.ModuleType("qstate"); pkg.__path__ = [os.path.join(root, "qstate")]
-        sys.modules["qstate"] = pkg  # bypass qstate/__init__.py, which calls install()
-        prop = DTensor._op_dispatcher.sharding_propagator
-        names = ["op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_schema_info",
-                 "op_to_schema_info_for_single_dim_strategy", "op_to_rules"]
-        before = {n: dict(getattr(prop, n)) for n in names}
-        handlers = dict(DTensor._op_dispatcher._custom_op_handlers)
-        import qstate.dtensor_rules as r
-        assert not r.is_installed() and r.installed() == []
-        for n in names:
-            after = getattr(prop, n)
-            assert after.keys() == before[n].keys(), n
-            assert all(after[k] is before[n][k] for k in after), n
-        assert dict(DTensor._op_dispatcher._custom_op_handlers) == handlers
-        print("ok")
-        """
-    )
-    import os
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+def _run_python(code: str, *args: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
     )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-2000:]
+
+
+_TABLES_BEFORE = """
+    import sys
+    import torch
+    from torch.distributed.tensor import DTensor
+    prop = DTensor._op_dispatcher.sharding_propagator
+    names = ["op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_schema_info",
+             "op_to_schema_info_for_single_dim_strategy", "op_to_rules"]
+    tables = {n: getattr(prop, n) for n in names}
+    tables["_custom_op_handlers"] = DTensor._op_dispatcher._custom_op_handlers
+    before = {n: dict(t) for n, t in tables.items()}
+"""
+
+_TABLES_AFTER = """
+    def changed(n):
+        after, old = tables[n], before[n]
+        return sorted(str(k) for k in after.keys() | old.keys()
+                      if after.get(k, None) is not old.get(k, None))
+"""
+
+
+def test_import_changes_no_torch_op_rule() -> None:
+    """A plain ``import qstate`` only adds entries for ``qstate::`` ops to DTensor's tables."""
+    _run_python(
+        _TABLES_BEFORE + """
+    sys.path.insert(0, sys.argv[1])
+    import qstate
+    assert not qstate.dtensor_rules.is_installed() and qstate.dtensor_rules.installed() == []
+""" + _TABLES_AFTER + """
+    foreign = {n: [k for k in changed(n) if not k.startswith("qstate.")] for n in tables}
+    assert not any(foreign.values()), foreign
+    assert changed("_custom_op_handlers") == ["qstate.flat_index_like.default", "qstate.fused_update.default"]
+    assert changed("op_strategy_funcs") == ["qstate.stochastic_round_bf16.default"]
+    print("ok")
+""",
+        _ROOT,
+    )
+
+
+def test_import_of_the_rules_package_has_no_side_effects() -> None:
+    """``import qstate.dtensor_rules`` (without qstate/__init__) touches no DTensor table."""
+    _run_python(
+        _TABLES_BEFORE + """
+    import os, types
+    pkg = types.ModuleType("qstate"); pkg.__path__ = [os.path.join(sys.argv[1], "qstate")]
+    sys.modules["qstate"] = pkg  # bypass qstate/__init__.py, which registers qstate's ops
+    import qstate.dtensor_rules as r
+    assert not r.is_installed() and r.installed() == []
+""" + _TABLES_AFTER + """
+    assert not any(changed(n) for n in tables), {n: changed(n) for n in tables}
+    print("ok")
+""",
+        _ROOT,
+    )
+
+
+#: PyTorch's own tests whose results the opt-in rules change (LocalTensor twins: one process)
+_TORCH_TESTS_CHANGED_BY_OPT_IN = (
+    "test_random_ops.py::DistTensorRandomInitTestWithLocalTensor::test_init_ops",  # rand_like on a CPU mesh
+    "test_tensor_ops.py::DistTensorOpsTestWithLocalTensor::test_fill_inplace_partial_sum",  # fill_ keeps Partial
+)
+_TORCH_TESTS = os.environ.get("QSTATE_TORCH_DTENSOR_TESTS", "/work/shared/pytorch-dtensor-tests")
+
+
+@pytest.mark.skipif(not os.path.isdir(_TORCH_TESTS), reason="no copy of PyTorch's DTensor tests "
+                    "(set QSTATE_TORCH_DTENSOR_TESTS)")
+def test_torch_dtensor_tests_pass_with_qstate_imported() -> None:
+    """PyTorch's tests of the ops the opt-in rules change pass after a plain ``import qstate``."""
+    _run_python(
+        """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import pytest
+    import qstate
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", sys.argv[2], *sys.argv[3:]])
+    assert rc == 0 and not qstate.dtensor_rules.is_installed(), rc
+    print("ok")
+""",
+        _ROOT, _TORCH_TESTS, *(os.path.join(_TORCH_TESTS, t) for t in _TORCH_TESTS_CHANGED_BY_OPT_IN),
+    )

@@ -1,31 +1,49 @@
-"""DTensor sharding rules for the ops quantized optimizer states rely on.
+"""DTensor sharding rules: qstate's own operators, and opt-in fixes of torch's.
 
 ``qstate`` keeps optimizer state in tensor subclasses whose bits are
 manipulated with ``view(dtype)``, integer masks and stochastic rounding, and
-expects DTensor / FSDP2 to run those ops shard by shard.  torch's own rules get
-some of them wrong (see ``docs/upstream.md``); this package holds the
-replacements as data:
+expects DTensor / FSDP2 to run those ops shard by shard.  This package holds
+two sets of rules, as data, installed at different times:
 
-* :mod:`._view_ops`    ``aten.view.dtype``
-* :mod:`._random_ops`  ``randint_like`` / ``rand_like`` / ``random_``: values are
-  a hash of (seed, global element index), so shards are independent,
-  reproducible and layout-invariant; and ``qstate::flat_index_like`` (each
-  shard's global element indices, which stochastic rounding hashes)
-* :mod:`._partial_ops` ``fill_``, ``copy_`` and integer ``add``/``sub`` on
-  ``Partial`` inputs
-* :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),
-  which torch returns unchanged
-* :mod:`._fused_ops`   ``qstate::fused_update`` (qstate's optimizer update): shard
-  by shard when param, grad and states share one layout
+* :data:`QSTATE_OP_RULES`, the rules of qstate's own operators, registered by
+  ``import qstate`` (:func:`register_qstate_ops`).  Every entry is keyed by a
+  ``qstate::`` op, so none can change the result of a torch op:
 
-Importing this package changes nothing; :func:`install` (called by
-``import qstate``) writes the rules into DTensor's tables, :func:`uninstall`
-puts torch's entries back, :func:`installed` lists what is overridden and why.
+  * :mod:`._fused_ops`    ``qstate::fused_update`` (the optimizers' update):
+    shard by shard when param, grad and states share one layout
+  * :mod:`._random_ops`   ``qstate::flat_index_like``: each shard's global
+    element indices, which stochastic rounding hashes
+  * :mod:`._rounding_ops` ``qstate::stochastic_round_bf16``: shard by shard,
+    ``Partial`` reduced first
+
+  qstate's states and optimizers need nothing else: on DTensors they call
+  these ops and otherwise only aten ops whose torch rules are right for the
+  layouts they use (``torch.bitwise_right_shift``, not ``>>``).
+
+* :data:`RULES`, replacements of torch's rules for aten ops: the upstream
+  patch series (``upstream/``, ``docs/upstream.md``), applied at run time,
+  with the fixes not yet written as patches.  Opt-in (:func:`install`): they
+  change what torch's ops return on every DTensor, not only qstate's.
+
+  * :mod:`._view_ops`    ``aten.view.dtype``
+  * :mod:`._random_ops`  ``randint_like`` / ``rand_like`` / ``random_``: values
+    are a hash of (seed, global element index), so shards are independent,
+    reproducible and layout-invariant
+  * :mod:`._partial_ops` ``fill_``, ``copy_`` and integer ``add``/``sub`` on
+    ``Partial`` inputs
+  * :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),
+    which torch returns unchanged
+
+Importing this package changes nothing.  :func:`install` writes :data:`RULES`
+into DTensor's tables, :func:`uninstall` puts torch's entries back,
+:func:`installed` lists what is overridden and why.  :func:`install` has no
+feature check: on a torch that already has one of the fixes, it still
+replaces torch's entry for that op (a version gate only picks the table).
 """
 
 from __future__ import annotations
 
-from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _shift_ops, _view_ops
+from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _rounding_ops, _shift_ops, _view_ops
 from qstate.dtensor_rules._comm import (
     forbid_implicit_communication,
     ImplicitCommunicationError,
@@ -46,36 +64,61 @@ __all__ = [
     "Rule",
     "UnrepresentableShardWarning",
     "forbid_implicit_communication",
+    "QSTATE_OP_RULES",
     "install",
     "installed",
     "is_installed",
     "positional_rand_like",
     "positional_randint_like",
     "positional_random_",
+    "register_qstate_ops",
     "uninstall",
 ]
 
-#: Every rule this package knows, in the order it is applied.
-RULES: tuple[Rule, ...] = (_view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _shift_ops.RULES
-                          + _fused_ops.RULES)
+#: The rules of qstate's own operators, registered by ``import qstate``.
+QSTATE_OP_RULES: tuple[Rule, ...] = (_random_ops.QSTATE_OP_RULES + _rounding_ops.QSTATE_OP_RULES
+                                     + _fused_ops.QSTATE_OP_RULES)
 
+#: Replacements of torch's rules for aten ops (the upstream patch series), in the order
+#: :func:`install` applies them.
+RULES: tuple[Rule, ...] = _view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _shift_ops.RULES
+
+_QSTATE_OPS = Registry(QSTATE_OP_RULES)
 _REGISTRY = Registry(RULES)
 
 
+def register_qstate_ops() -> None:
+    """Write :data:`QSTATE_OP_RULES` into DTensor's tables (idempotent; ``import qstate`` calls it).
+
+    Every entry is keyed by a ``qstate::`` op, so no torch op changes; :func:`uninstall` leaves
+    them in place."""
+    _QSTATE_OPS.install()
+
+
 def install() -> None:
-    """Write :data:`RULES` into DTensor's tables and clear its caches (idempotent)."""
+    """Apply the upstream patch series (``upstream/``) at run time: write :data:`RULES` into
+    DTensor's tables and clear its caches (idempotent).
+
+    Opt-in: this changes what torch's own ops return on any DTensor, qstate's or not
+    (``view(dtype)``, random ops, ``fill_``/``copy_``/integer ``add``/``sub`` on ``Partial``,
+    ``>>``/``<<``); ``import qstate`` does not call it, and qstate's states and optimizers do not
+    need it.  Install before starting threads that run DTensor ops (torch
+    2.13 caches sharding decisions per thread)."""
     _REGISTRY.install()
 
 
 def uninstall() -> None:
-    """Restore torch's original table entries and clear the caches (idempotent)."""
+    """Restore torch's entries that :func:`install` replaced and clear the caches (idempotent).
+
+    The rules of qstate's own operators (:func:`register_qstate_ops`) stay."""
     _REGISTRY.uninstall()
 
 
 def is_installed() -> bool:
+    """Whether :func:`install` is in effect."""
     return _REGISTRY.is_installed()
 
 
 def installed() -> list[InstalledOverride]:
-    """The table entries currently overridden, with the reason for each."""
+    """The table entries :func:`install` currently overrides, with the reason for each."""
     return _REGISTRY.installed()

@@ -26,8 +26,8 @@ from qstate._library import fused_update, hyper_tensor, states_per_param
 from qstate.distributed import _dtensor_type, _quantized_state_type
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "LayoutMismatch", "call_fused_update", "flat_start", "fused_update_handler", "layout_mismatch",
-           "shards_of"]
+__all__ = ["QSTATE_OP_RULES", "LayoutMismatch", "call_fused_update", "flat_start", "fused_update_handler",
+           "layout_mismatch", "shards_of"]
 
 
 class LayoutMismatch(ValueError):
@@ -152,7 +152,7 @@ def handler_is_reached() -> bool:
     """Whether DTensor's dispatcher would hand ``qstate::fused_update`` on ``DTensor`` inputs to
     :func:`fused_update_handler` with nothing able to intercept it: no dispatch or function mode is
     active (``CommDebugMode``, ``FakeTensorMode``, ...), nothing is being compiled, and the handler
-    installed for the op is this one (:func:`qstate.dtensor_rules.uninstall` removes it). A
+    registered for the op is this one (``import qstate`` registers it). A
     property of the moment, not of the tensors: asked once per step."""
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
@@ -217,7 +217,8 @@ def _local_types_reach_shard_kernel(local: tuple) -> bool:
     return all(type(t) in direct for tensors in local for t in tensors)
 
 
-RULES: tuple[Rule, ...] = (
+#: qstate's own op (registered by ``import qstate``)
+QSTATE_OP_RULES: tuple[Rule, ...] = (
     Rule(
         op=fused_update,
         kind="handler",

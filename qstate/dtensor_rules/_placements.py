@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 try:  # torch >= 2.6
@@ -29,6 +29,7 @@ __all__ = [
     "local_range",
     "mesh_coordinates",
     "mesh_dims_sharding",
+    "spec_with",
 ]
 
 
@@ -81,3 +82,15 @@ def local_range(
 def mesh_coordinates(mesh_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """Every rank coordinate of a mesh of this shape."""
     return itertools.product(*(range(s) for s in mesh_shape))
+
+
+def spec_with(
+    spec: DTensorSpec, placements: tuple[Placement, ...], meta: TensorMeta | None
+) -> DTensorSpec:
+    """``spec`` with new placements/meta; the shard order survives if placements do."""
+    kwargs = {}
+    if placements == tuple(spec.placements):
+        for field in ("shard_order", "use_strided_shard_as_shard_order"):
+            if getattr(spec, field, None) is not None:
+                kwargs[field] = getattr(spec, field)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=meta, **kwargs)

@@ -56,6 +56,7 @@ from qstate.dtensor_rules._registry import Rule
 
 
 __all__ = [
+    "QSTATE_OP_RULES",
     "RULES",
     "mix64",
     "positional_rand_like",
@@ -493,6 +494,7 @@ _REASON_VALUES = (
 )
 _REASON_PLACEMENT = "random op had no strategy: Partial -> Replicate, shards stay"
 
+#: torch's random ops on DTensors (opt-in: :func:`qstate.dtensor_rules.install`)
 RULES: tuple[Rule, ...] = tuple(
     Rule(op=op, kind="handler", impl=handler, reason=_REASON_VALUES)
     for ops, handler in _HANDLERS
@@ -508,7 +510,10 @@ RULES: tuple[Rule, ...] = tuple(
     )
     for ops, _ in _HANDLERS
     for op in ops
-) + (
+)
+
+#: qstate's own op (registered by ``import qstate``)
+QSTATE_OP_RULES: tuple[Rule, ...] = (
     Rule(
         op=flat_index_like,
         kind="handler",

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import (
     OpSchema,
     OpSpec,
@@ -47,6 +47,7 @@ from qstate.dtensor_rules._placements import (
     local_range,
     mesh_coordinates,
     mesh_dims_sharding,
+    spec_with,
 )
 from qstate.dtensor_rules._registry import Rule
 
@@ -158,18 +159,6 @@ def view_dtype_placements(
     return tuple(placements), why
 
 
-def _spec_with(
-    spec: DTensorSpec, placements: tuple[Placement, ...], meta: TensorMeta | None
-) -> DTensorSpec:
-    """``spec`` with new placements/meta; the shard order survives if placements do."""
-    kwargs = {}
-    if placements == tuple(spec.placements):
-        for field in ("shard_order", "use_strided_shard_as_shard_order"):
-            if getattr(spec, field, None) is not None:
-                kwargs[field] = getattr(spec, field)
-    return DTensorSpec(spec.mesh, placements, tensor_meta=meta, **kwargs)
-
-
 # view.dtype: reinterpret bytes; Partial -> Replicate, last-dim shards kept only
 # when every rank's byte range is the torch.chunk byte range of the output.
 def view_dtype_strategy(op_schema: OpSchema) -> StrategyType:
@@ -200,10 +189,10 @@ def view_dtype_strategy(op_schema: OpSchema) -> StrategyType:
                 ),
                 stacklevel=2,
             )
-        target = _spec_with(in_spec, placements, in_spec.tensor_meta)
+        target = spec_with(in_spec, placements, in_spec.tensor_meta)
         strategies.append(
             OpSpec(
-                output_specs=_spec_with(in_spec, placements, None),
+                output_specs=spec_with(in_spec, placements, None),
                 input_specs=(target,),
                 redistribute_cost=[generate_redistribute_costs(input_strategy, target)],
             )

@@ -70,13 +70,14 @@ def lowbias32_int(x: Tensor) -> Tensor:
 
     Runs in int64 with a 32-bit mask after each multiply: every product stays
     below ``2**63`` in magnitude (no overflow), and shifts of non-negative
-    values are logical.
+    values are logical. Shifts are ``torch.bitwise_right_shift``, not ``>>``:
+    DTensor (torch 2.13, 2.14) returns ``x >> k`` (``aten.__rshift__``) as ``x``.
     """
-    x = x ^ (x >> 16)
+    x = x ^ torch.bitwise_right_shift(x, 16)
     x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
+    x = x ^ torch.bitwise_right_shift(x, 15)
     x = (x * _K2_SIGNED) & MASK32
-    return x ^ (x >> 16)
+    return x ^ torch.bitwise_right_shift(x, 16)
 
 
 def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor) -> Tensor:

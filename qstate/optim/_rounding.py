@@ -1,9 +1,11 @@
 """Writing float32 results into a parameter: round to nearest, or stochastically to bfloat16.
 
 Stochastic rounding uses plain tensor ops on the value's bit pattern (no
-local-tensor access), so it runs unchanged on plain tensors, inside compiled
-kernels and on DTensors (given sharding rules for ``view(dtype)``, the shift
-operators and ``qstate::flat_index_like``):
+local-tensor access), so it runs unchanged on plain tensors and inside
+compiled kernels; on DTensors it runs as qstate's own ops, which DTensor
+runs shard by shard under qstate's rules (``qstate::stochastic_round_bf16``,
+``qstate::flat_index_like``), and otherwise only ops whose torch rules are
+right for any layout (``&``, ``^``, ``torch.bitwise_right_shift``):
 
 ``bits = x.view(int32)``; the low 16 bits are the part bfloat16 drops; with
 ``r`` uniform in ``[0, 2**16)``, round the magnitude up (``(bits & -65536) +
@@ -21,7 +23,8 @@ so all give the same bits for the same float32 value, and shards of a
 parameter draw as the whole parameter would. The optimizer swaps its own
 saved generator state in around the step and draws the keys from it.
 :func:`stochastic_round_bf16` without draws takes ``randint_like`` of the
-default generator of ``x``'s device.
+default generator of ``x``'s device (on a DTensor the positional
+:func:`qstate.dtensor_rules.positional_randint_like`: independent shards).
 """
 
 from __future__ import annotations
@@ -32,21 +35,44 @@ import torch
 from torch import Tensor
 
 from .._library import LIBRARY, flat_index_like
+from .._library import stochastic_round_bf16 as stochastic_round_bf16_op
+from ..distributed import _dtensor_type
 from .._splitmix64 import as_int64
 from ..formats import lowbias32_int
 from ..formats._rounding import MASK32
 
 __all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
+_DTensor = _dtensor_type()  # None in a torch built without distributed
+
 
 def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     """``x`` (float32) rounded stochastically to bfloat16, unbiased: with ``draws`` (integers in
-    ``[0, 2**16)`` of ``x``'s shape, e.g. :func:`position_draws`), else from the default generator."""
+    ``[0, 2**16)`` of ``x``'s shape, e.g. :func:`position_draws`), else from the default generator.
+
+    A DTensor ``x`` runs ``qstate::stochastic_round_bf16`` (shard by shard, ``draws`` laid out like
+    ``x``); without draws it takes :func:`qstate.dtensor_rules.positional_randint_like`'s, one key
+    from the default generator hashed with each element's global index."""
+    if _DTensor is not None and isinstance(x, _DTensor):
+        if draws is None:
+            from ..dtensor_rules import positional_randint_like
+
+            draws = positional_randint_like(x, 0, 1 << 16, dtype=torch.int32)
+        return stochastic_round_bf16_op(x, draws)
+    if draws is None:
+        draws = torch.randint_like(x.view(torch.int32), 0, 1 << 16)
+    return _stochastic_round_bf16(x, draws)
+
+
+def _stochastic_round_bf16(x: Tensor, draws: Tensor) -> Tensor:
+    """``qstate::stochastic_round_bf16``'s kernel (plain tensors)."""
     bits = x.view(torch.int32)
-    r = torch.randint_like(bits, 0, 1 << 16) if draws is None else draws
     truncated = bits & -65536
-    rounded = torch.where(r < (bits & 0xFFFF), truncated + 0x10000, truncated)
+    rounded = torch.where(draws < (bits & 0xFFFF), truncated + 0x10000, truncated)
     return rounded.view(torch.float32).bfloat16()
+
+
+LIBRARY.impl("stochastic_round_bf16", _stochastic_round_bf16, "CompositeExplicitAutograd")
 
 
 def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
@@ -55,7 +81,13 @@ def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
     kernel's ``param_draw``)."""
     inner = lowbias32_int((index & MASK32) ^ (key & MASK32))
-    return lowbias32_int(inner ^ ((index >> 32) & MASK32) ^ ((key >> 32) & MASK32)) >> 16
+    return _shr(lowbias32_int(inner ^ (_shr(index, 32) & MASK32) ^ (_shr(key, 32) & MASK32)), 16)
+
+
+def _shr(x: Union[Tensor, int], s: int) -> Union[Tensor, int]:
+    """``x >> s`` (arithmetic); for tensors ``torch.bitwise_right_shift``, which DTensor runs shard by
+    shard (its ``x >> s``, ``aten.__rshift__``, returns ``x``: torch 2.13, 2.14)."""
+    return torch.bitwise_right_shift(x, s) if isinstance(x, Tensor) else x >> s
 
 
 def key_draws(key: int, p: Tensor, start: int = 0) -> Tensor:
