@@ -1001,8 +1001,8 @@ _TORCH_TESTS_CHANGED_BY_OPT_IN = (
     "test_tensor_ops.py::DistTensorOpsTestWithLocalTensor::test_fill_inplace_partial_sum",  # fill_ keeps Partial
 )
 #: a copy of PyTorch's DTensor test files; by default the shared folder beside the repository
-_TORCH_TESTS = os.environ.get("QSTATE_TORCH_DTENSOR_TESTS", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "pytorch-dtensor-tests"))
+_TORCH_TESTS = os.environ.get("QSTATE_TORCH_DTENSOR_TESTS",
+                              os.path.join(_ROOT, "..", "shared", "pytorch-dtensor-tests"))
 
 
 @pytest.mark.skipif(not os.path.isdir(_TORCH_TESTS), reason="no copy of PyTorch's DTensor tests "
