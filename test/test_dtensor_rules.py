@@ -930,7 +930,58 @@ def test_uninstall_leaves_foreign_entries_alone(torch_rules: None) -> None:
         handlers.pop(aten.random_.default, None)
 
 
+def _rule(op: Any, kind: str) -> rules.Rule:
+    return next(r for r in rules.RULES if r.op == op and r.kind == kind)
+
+
+def test_install_leaves_torch_rules_that_have_the_fix(torch_rules: None) -> None:
+    """On a torch whose own ``fill_`` and ``view.dtype`` rules already give the fixed result,
+    ``install()`` writes nothing for those ops and lists them in ``not_needed()``."""
+    prop = _compat.propagator()
+    fixed = {op: _rule(op, "strategy") for op in (aten.fill_.Scalar, aten.view.dtype)}
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_schema_info",
+              "op_to_schema_info_for_single_dim_strategy")
+    saved = {(t, op): getattr(prop, t).get(op) for t in tables for op in fixed}
+    try:
+        for op, rule in fixed.items():  # this torch, as if it shipped the fix as its own rule
+            prop.op_single_dim_strategy_funcs.pop(op, None)
+            prop.op_strategy_funcs[op] = rule.impl
+            if rule.schema_info is not None:
+                prop.op_to_schema_info[op] = rule.schema_info
+        _compat.clear_sharding_caches()
+        rules.install()
+        written = {o.op for o in rules.installed()}
+        assert not {str(op) for op in fixed} & written
+        assert {r.op for r in rules.not_needed()} >= set(fixed)
+        assert "aten.fill_.Tensor" in written and "aten.copy_.default" in written
+        for op, rule in fixed.items():
+            assert prop.op_strategy_funcs[op] is rule.impl  # left as "torch" had it
+        rules.uninstall()
+        assert rules.not_needed() == []
+    finally:
+        rules.uninstall()
+        for (t, op), entry in saved.items():
+            table = getattr(prop, t)
+            table.pop(op, None)
+            if entry is not None:
+                table[op] = entry
+        _compat.clear_sharding_caches()
+
+
+def test_checks_recognize_the_installed_fixes() -> None:
+    """With the rules installed (this module's fixture), every strategy rule's check finds its fix
+    in DTensor's tables."""
+    assert rules.is_installed()
+    still = sorted({str(r.op) for r in rules.RULES if r.kind != "handler" and r.needed()})
+    assert still == [], still
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+#: a copy of PyTorch's DTensor test files; by default the shared folder beside the repository
+_TORCH_TESTS_DIR = os.environ.get("QSTATE_TORCH_DTENSOR_TESTS",
+                                  os.path.join(_ROOT, "..", "shared", "pytorch-dtensor-tests"))
 
 
 def _run_python(code: str, *args: str) -> None:
@@ -995,17 +1046,30 @@ def test_import_of_the_rules_package_has_no_side_effects() -> None:
     )
 
 
+@pytest.mark.skipif(not os.path.isdir(_TORCH_TESTS_DIR), reason="no copy of PyTorch's DTensor tests")
+def test_install_on_the_patched_torch_leaves_what_the_series_fixes() -> None:
+    """``upstream/check`` applies the patch series to a copy of this torch's DTensor: there
+    ``install()`` leaves torch's rules for view.dtype (0001), random ops (0002) and fill_ (0003)."""
+    out = subprocess.run([sys.executable, os.path.join(_ROOT, "upstream", "check"), "--rules-only",
+                          "--tests-dir", _TORCH_TESTS_DIR], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    if "SKIP" in out.stdout:
+        pytest.skip(f"the series does not apply whole to torch {torch.__version__}")
+    left = {line.split(":")[0].strip(): line.split("leaves torch's own for: ")[1]
+            for line in out.stdout.splitlines() if line.strip().startswith(("unpatched", "patched"))}
+    for fixed in ("view.dtype (strategy)", "fill_.Scalar (strategy)", "fill_.Tensor (strategy)",
+                  "rand_like.default (handler)", "random_.default (handler)"):
+        assert fixed in left["patched"] and fixed not in left["unpatched"], (fixed, left)
+
+
 #: PyTorch's own tests whose results the opt-in rules change (LocalTensor twins: one process)
 _TORCH_TESTS_CHANGED_BY_OPT_IN = (
     "test_random_ops.py::DistTensorRandomInitTestWithLocalTensor::test_init_ops",  # rand_like on a CPU mesh
     "test_tensor_ops.py::DistTensorOpsTestWithLocalTensor::test_fill_inplace_partial_sum",  # fill_ keeps Partial
 )
-#: a copy of PyTorch's DTensor test files; by default the shared folder beside the repository
-_TORCH_TESTS = os.environ.get("QSTATE_TORCH_DTENSOR_TESTS",
-                              os.path.join(_ROOT, "..", "shared", "pytorch-dtensor-tests"))
 
 
-@pytest.mark.skipif(not os.path.isdir(_TORCH_TESTS), reason="no copy of PyTorch's DTensor tests "
+@pytest.mark.skipif(not os.path.isdir(_TORCH_TESTS_DIR), reason="no copy of PyTorch's DTensor tests "
                     "(set QSTATE_TORCH_DTENSOR_TESTS)")
 def test_torch_dtensor_tests_pass_with_qstate_imported() -> None:
     """PyTorch's tests of the ops the opt-in rules change pass after a plain ``import qstate``."""
@@ -1019,5 +1083,5 @@ def test_torch_dtensor_tests_pass_with_qstate_imported() -> None:
     assert rc == 0 and not qstate.dtensor_rules.is_installed(), rc
     print("ok")
 """,
-        _ROOT, _TORCH_TESTS, *(os.path.join(_TORCH_TESTS, t) for t in _TORCH_TESTS_CHANGED_BY_OPT_IN),
+        _ROOT, _TORCH_TESTS_DIR, *(os.path.join(_TORCH_TESTS_DIR, t) for t in _TORCH_TESTS_CHANGED_BY_OPT_IN),
     )

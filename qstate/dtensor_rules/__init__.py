@@ -36,9 +36,11 @@ two sets of rules, as data, installed at different times:
 
 Importing this package changes nothing.  :func:`install` writes :data:`RULES`
 into DTensor's tables, :func:`uninstall` puts torch's entries back,
-:func:`installed` lists what is overridden and why.  :func:`install` has no
-feature check: on a torch that already has one of the fixes, it still
-replaces torch's entry for that op (a version gate only picks the table).
+:func:`installed` lists what is overridden and why.  Each rule carries a
+feature check (:mod:`._probe`: torch's own sharding decision for the case the
+rule fixes, on a CPU mesh that needs no process group): on a torch that
+already has a fix, :func:`install` leaves torch's rule for it in place and
+:func:`not_needed` lists it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ __all__ = [
     "install",
     "installed",
     "is_installed",
+    "not_needed",
     "positional_rand_like",
     "positional_randint_like",
     "positional_random_",
@@ -96,8 +99,11 @@ def register_qstate_ops() -> None:
 
 
 def install() -> None:
-    """Apply the upstream patch series (``upstream/``) at run time: write :data:`RULES` into
-    DTensor's tables and clear its caches (idempotent).
+    """Apply the upstream patch series (``upstream/``) at run time: write the :data:`RULES` this
+    torch needs into DTensor's tables and clear its caches (idempotent).
+
+    A rule whose fix this torch already has (its ``needed`` check reads torch's own rule) is not
+    written; :func:`not_needed` lists those.
 
     Opt-in: this changes what torch's own ops return on any DTensor, qstate's or not
     (``view(dtype)``, random ops, ``fill_``/``copy_``/integer ``add``/``sub`` on ``Partial``,
@@ -122,3 +128,8 @@ def is_installed() -> bool:
 def installed() -> list[InstalledOverride]:
     """The table entries :func:`install` currently overrides, with the reason for each."""
     return _REGISTRY.installed()
+
+
+def not_needed() -> list[Rule]:
+    """The rules :func:`install` left out because this torch's own rule already has the fix."""
+    return _REGISTRY.not_needed()

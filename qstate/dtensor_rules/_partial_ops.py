@@ -22,7 +22,7 @@ supported"; ``where``/``lt``/``bitwise_*`` reduce a ``Partial`` input first):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from torch.distributed.tensor._op_schema import (
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from qstate.dtensor_rules import _probe
 from qstate.dtensor_rules._placements import is_shard_like
 from qstate.dtensor_rules._registry import Rule
 
@@ -179,12 +180,33 @@ additive_ops = [
     aten.sub.out,
 ]
 
+def _lacks_fix(op: torch._ops.OpOverload) -> Callable[[], bool]:
+    """The ``needed`` check of ``op``'s rule: does torch's own rule still keep ``Partial`` where
+    the result is not a pending reduction (or have no rule at all)?"""
+
+    def check() -> bool:
+        partial = _probe.spec((4,), torch.float32, [Partial()])
+        replicate = _probe.spec((4,), torch.float32, [Replicate()])
+        if op in fill_ops:
+            value = _probe.spec((), torch.float32, [Replicate()]) if op is aten.fill_.Tensor else 1.0
+            return _probe.has_partial(_probe.output_placements(op, (partial, value)))
+        if op in copy_ops:
+            return _probe.has_partial(_probe.output_placements(op, (partial, replicate)))
+        # integer add/sub: the family's functional form, Partial(sum) + Replicate
+        family = aten.add.Tensor if "add" in op._schema.name else aten.sub.Tensor
+        ints = (_probe.spec((4,), torch.int32, [Partial()]), _probe.spec((4,), torch.int32, [Replicate()]))
+        return _probe.has_partial(_probe.output_placements(family, ints))
+
+    return _probe.checked(check)
+
+
 RULES: tuple[Rule, ...] = (
     tuple(
         Rule(
             op=op,
             kind="strategy",
             impl=fill_strategy,
+            needed=_lacks_fix(op),
             reason="fill_ on Partial: result is Replicate (torch kept Partial: n x value)",
         )
         for op in fill_ops
@@ -194,6 +216,7 @@ RULES: tuple[Rule, ...] = (
             op=op,
             kind="strategy",
             impl=copy_strategy,
+            needed=_lacks_fix(op),
             reason=(
                 "copy_ into Partial: result is Replicate unless src is the same "
                 "Partial in the same dtype (torch divided a Replicate src by n)"
@@ -206,6 +229,7 @@ RULES: tuple[Rule, ...] = (
             op=op,
             kind="single_dim",
             impl=integer_exact_additive_rules,
+            needed=_lacks_fix(op),
             reason=(
                 "add/sub with integer operands: no Partial rules (Replicate -> "
                 "Partial(sum) divides by n; wrap-around breaks max/min); Partial is reduced"

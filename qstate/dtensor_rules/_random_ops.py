@@ -28,6 +28,7 @@ draw, which the optimizers' stochastic rounding hashes with its own keys.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from torch.distributed.tensor.placement_types import (
 
 from qstate import _splitmix64 as splitmix64
 from qstate._library import flat_index_like
-from qstate.dtensor_rules import _compat
+from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._placements import mesh_dims_sharding
 from qstate.dtensor_rules._registry import Rule
 
@@ -478,14 +479,14 @@ _HANDLERS: list[tuple[list[torch._ops.OpOverload], Callable[..., Any]]] = [
 ]
 
 
-def _lacks_strategy(op: torch._ops.OpOverload) -> Callable[[], bool]:
-    def check() -> bool:
-        prop = _compat.propagator()
-        return op not in prop.op_strategy_funcs and op not in getattr(
-            prop, "op_single_dim_strategy_funcs", {}
-        )
+@_probe.checked
+def _draws_identical_shards_on_cpu() -> bool:
+    """Whether torch's RNG tracker leaves CPU meshes out (every shard draws the same numbers)."""
+    from torch.distributed.tensor._random import is_rng_supported_mesh
 
-    return check
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return not is_rng_supported_mesh(_probe.mesh())
 
 
 _REASON_VALUES = (
@@ -496,7 +497,8 @@ _REASON_PLACEMENT = "random op had no strategy: Partial -> Replicate, shards sta
 
 #: torch's random ops on DTensors (opt-in: :func:`qstate.dtensor_rules.install`)
 RULES: tuple[Rule, ...] = tuple(
-    Rule(op=op, kind="handler", impl=handler, reason=_REASON_VALUES)
+    Rule(op=op, kind="handler", impl=handler, reason=_REASON_VALUES,
+         needed=_draws_identical_shards_on_cpu)
     for ops, handler in _HANDLERS
     for op in ops
 ) + tuple(
@@ -506,7 +508,7 @@ RULES: tuple[Rule, ...] = tuple(
         impl=random_like_strategy,
         schema_info=RuntimeSchemaInfo(static_kwargkey=["dtype"]) if "like" in str(op) else None,
         reason=_REASON_PLACEMENT,
-        enabled=_lacks_strategy(op),
+        needed=_probe.checked(lambda op=op: not _probe.has_rule(op)),
     )
     for ops, _ in _HANDLERS
     for op in ops

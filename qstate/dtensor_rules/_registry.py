@@ -20,8 +20,11 @@ Invariants kept by :class:`Registry`:
   table entry it wrote is put back to the object that was there before (or
   removed if there was none), provided nobody replaced our entry meanwhile
   (then the foreign entry is left alone and a warning names it).
+* A rule whose ``needed`` check says this torch already has the fix is not
+  written (:meth:`Registry.not_needed` lists it).
 * The only state is ``Registry._saved`` / ``Registry._written`` /
-  ``Registry._report``; all three are empty whenever nothing is installed.
+  ``Registry._report`` / ``Registry._not_needed``; all are empty whenever
+  nothing is installed.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class Rule:
     impl: Callable[..., Any]
     reason: str
     schema_info: Any = None  # RuntimeSchemaInfo | None
-    enabled: Callable[[], bool] = _always
+    #: whether this torch still lacks the fix (a check of torch's own rule, :mod:`._probe`);
+    #: :meth:`Registry.install` skips the rule when it answers False
+    needed: Callable[[], bool] = _always
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Registry:
         # (table, op) -> object we wrote (or _MISSING when we removed the entry)
         self._written: dict[tuple[str, OpOverload], object] = {}
         self._report: list[InstalledOverride] = []
+        self._not_needed: list[Rule] = []
         self._installed = False
 
     # ------------------------------------------------------------------ tables
@@ -169,17 +175,22 @@ class Registry:
         self._saved.clear()
         self._written.clear()
         self._report.clear()
+        self._not_needed.clear()
 
     # --------------------------------------------------------------- public API
     def install(self) -> None:
-        """Apply every enabled rule once; a second call is a no-op."""
+        """Apply every rule this torch needs (:attr:`Rule.needed`) once; a second call is a no-op."""
         with self._lock:
             if self._installed:
                 return
             try:
-                for rule in self.rules:
-                    if rule.enabled():
+                # ask every check first: a check reads torch's rules, not ours
+                needed = [rule.needed() for rule in self.rules]
+                for rule, need in zip(self.rules, needed):
+                    if need:
                         self._apply(rule)
+                    else:
+                        self._not_needed.append(rule)
                 self._installed = True
             except BaseException:
                 self._restore_all()
@@ -204,3 +215,7 @@ class Registry:
     def installed(self) -> list[InstalledOverride]:
         """One record per table entry currently owned by this registry."""
         return list(self._report)
+
+    def not_needed(self) -> list[Rule]:
+        """The rules the last ``install`` skipped because torch's own rule already gives the fix."""
+        return list(self._not_needed)

@@ -14,10 +14,14 @@ a hash of each element's index with shifts) on DTensor parameters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Replicate
 
+from qstate.dtensor_rules import _probe
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "shift_handler"]
@@ -37,8 +41,18 @@ def shift_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return SHIFT_OPS[op](*args, **kwargs)
 
 
+def _taken_for_in_place(op: torch._ops.OpOverload) -> Callable[[], bool]:
+    """The ``needed`` check: does DTensor's in-place test (``OpSchema.is_inplace_op``) still take
+    ``op`` for in place?"""
+    def check() -> bool:
+        x = _probe.spec((4,), torch.int32, [Replicate()])
+        return OpSchema(op, (x, 1), {}).is_inplace_op()
+
+    return _probe.checked(check)
+
+
 RULES: tuple[Rule, ...] = tuple(
-    Rule(op=op, kind="handler", impl=shift_handler,
+    Rule(op=op, kind="handler", impl=shift_handler, needed=_taken_for_in_place(op),
          reason=f"torch returns the input unchanged (a name ending in '_' taken for in place): run {target}")
     for op, target in SHIFT_OPS.items()
 )

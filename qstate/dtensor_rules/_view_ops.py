@@ -42,6 +42,7 @@ from torch.distributed.tensor.placement_types import (
     Shard,
 )
 
+from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._placements import (
     is_shard_like,
     local_range,
@@ -200,12 +201,30 @@ def view_dtype_strategy(op_schema: OpSchema) -> StrategyType:
     return OpStrategy(strategies)
 
 
+@_probe.checked
+def torch_lacks_view_dtype_fix() -> bool:
+    """Whether torch's ``view.dtype`` rule leaves the dtype out of the cache key or keeps a
+    ``Partial(sum)`` through a float32 -> int32 view (refusing it, as upstream does, is a fix)."""
+    prop = _compat.propagator()
+    op = aten.view.dtype
+    if not _probe.has_rule(op):
+        return True
+    info = (getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
+            or prop.op_to_schema_info.get(op))
+    if info is None or info.static_argnum > 1:
+        return True
+    partial = _probe.spec((4,), torch.float32, [Partial()])
+    placements = _probe.output_placements(op, (partial, torch.int32))
+    return placements is not None and _probe.has_partial(placements)
+
+
 RULES: tuple[Rule, ...] = tuple(
     Rule(
         op=op,
         kind="strategy",
         impl=view_dtype_strategy,
         schema_info=VIEW_DTYPE_SCHEMA_INFO,
+        needed=torch_lacks_view_dtype_fix,
         reason=(
             "view.dtype: dtype in the cache key; Partial -> Replicate (bits of a "
             "reduction are not the reduction of bits); last-dim shards rescaled "
