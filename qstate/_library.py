@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import torch
 
-from typing import Sequence, Union
+from typing import Sequence
 
-__all__ = ["LIBRARY", "flat_index_like", "fused_update", "hyper_tensor", "states_per_param", "stochastic_round_bf16"]
+__all__ = ["LIBRARY", "flat_index_like", "fused_update", "states_per_param", "stochastic_round_bf16"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
@@ -51,16 +51,6 @@ LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
 fused_update = torch.ops.qstate.fused_update.default
 flat_index_like = torch.ops.qstate.flat_index_like.default
 stochastic_round_bf16 = torch.ops.qstate.stochastic_round_bf16.default
-
-
-def hyper_tensor(hyper: Union[torch.Tensor, Sequence[float]]) -> torch.Tensor:
-    """The op's ``hyper`` argument from the scalar vector or its values as Python floats (float32).
-
-    Callers that reach the CPU kernels without the op (the DTensor handler called directly) may
-    carry the floats, which the C kernel reads without a tensor; the op itself takes a tensor."""
-    if isinstance(hyper, torch.Tensor):
-        return hyper
-    return torch.tensor(hyper, dtype=torch.float32)
 
 
 def states_per_param(params: Sequence, grads: Sequence, states: Sequence) -> int:

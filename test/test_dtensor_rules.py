@@ -1062,6 +1062,30 @@ def test_install_on_the_patched_torch_leaves_what_the_series_fixes() -> None:
         assert fixed in left["patched"] and fixed not in left["unpatched"], (fixed, left)
 
 
+def test_rules_never_import_the_optimizers() -> None:
+    """Arrows point down: no module of ``qstate.dtensor_rules`` imports ``qstate.optim``, at module
+    level or inside a function (the optimizers call ``qstate::`` ops whose rules live here)."""
+    import ast
+
+    package = os.path.join(_ROOT, "qstate", "dtensor_rules")
+    found = []
+    for name in sorted(os.listdir(package)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(package, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = ("." * node.level) + (node.module or "")
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.startswith(("qstate.optim", "..optim")) or n == "qstate.optim" for n in names):
+                found.append(f"{name}:{node.lineno}")
+    assert found == []
+
+
 #: PyTorch's own tests whose results the opt-in rules change (LocalTensor twins: one process)
 _TORCH_TESTS_CHANGED_BY_OPT_IN = (
     "test_random_ops.py::DistTensorRandomInitTestWithLocalTensor::test_init_ops",  # rand_like on a CPU mesh

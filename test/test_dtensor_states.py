@@ -7,8 +7,6 @@ call, all compared with the unsharded quantized tensor.
 
 from __future__ import annotations
 
-import contextlib
-import unittest.mock
 
 import expecttest
 import pytest
@@ -258,90 +256,62 @@ def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
     assert not torch.equal(refs[True][1], refs[False][1])
 
 
-def test_optimizer_step_runs_the_op_handler_or_its_prepared_shard_call_where_nothing_could_intercept_it():
-    # rank 0 of the fake world, no LocalTensorMode: the first step calls fused_update_handler itself
-    # (call_fused_update), later ones queue the shard's prepared C-kernel call (prepared_shard_call)
-    # and skip the op; under a dispatch mode the op runs. Each step gives exactly the rows of the
-    # unsharded step that rank 0 holds (rows 0-2 of 10 over 4 ranks). The op is called instead of
-    # its handler under a dispatch or function mode, with another handler installed, or for a
-    # DTensor subclass.
-    from torch.overrides import TorchFunctionMode
+def test_optimizer_step_is_one_op_call_that_dtensor_runs_on_the_shards():
+    # rank 0 of the fake world: each step calls qstate::fused_update once for its two DTensor
+    # parameters of one kind (as torch's fused AdamW calls _fused_adamw_ once), and DTensor's rule
+    # runs it on the local shards; every step equals the unsharded steps' rows that rank 0 holds
+    # (rows 0-2 of 10 and of 11 over 4 ranks), under a dispatch mode or not.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from qstate.dtensor_rules import _fused_ops
+    from qstate._library import fused_update
     from qstate.optim import AdamW
 
-    class PassThrough(TorchDispatchMode):
+    class RecordFusedUpdate(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is fused_update:
+                self.calls.append((len(args[0]), type(args[0][0]).__name__))
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(4)]
-    ref = torch.nn.Parameter(full.clone())
-    ref_opt = AdamW([ref], lr=1e-2, state_format="8bit")
+    fulls = [torch.randn(10, 300), torch.randn(11, 300)]
+    grads = [[torch.randn_like(f) for f in fulls] for _ in range(4)]
+    refs = [torch.nn.Parameter(f.clone()) for f in fulls]
+    ref_opt = AdamW(refs, lr=1e-2, state_format="8bit")
     mesh = init_device_mesh("cpu", (WORLD,))
 
     def shard(t):
         return DTensor.from_local(t[:3].clone(), mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
 
-    shard_kernel = _fused_ops._shard_kernel()
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(len(args[0]))
-        return shard_kernel(*args, **kwargs)
-
-    p = torch.nn.Parameter(shard(full))
-    opt = AdamW([p], lr=1e-2, state_format="8bit")
-    seen = []
-    with unittest.mock.patch.object(_fused_ops, "_shard_kernel", lambda: counted):
-        for i, g in enumerate(grads):
+    ps = [torch.nn.Parameter(shard(f)) for f in fulls]
+    opt = AdamW(ps, lr=1e-2, state_format="8bit")
+    for i, step_grads in enumerate(grads):
+        for ref, p, g in zip(refs, ps, step_grads):
             ref.grad, p.grad = g.clone(), shard(g)
-            ref_opt.step()
-            with PassThrough() if i == 2 else contextlib.nullcontext():
-                opt.step()
-            seen.append(len(calls))
+        ref_opt.step()
+        with RecordFusedUpdate() as mode:
+            opt.step()
+        assert mode.calls == [(2, "DTensor")], mode.calls
+        for ref, p in zip(refs, ps):
             assert torch.equal(p.to_local(), ref.detach()[:3])
-    # the handler's shard kernel ran at step 1 (directly) and step 3 (through the op), not at 2 and 4
-    assert seen == [1, 1, 2, 2]
-    st = opt.state[p]
-    lists = ([p], [p.grad], [st["exp_avg"], st["exp_avg_sq"]])
-    assert _fused_ops.handler_is_reached() and _fused_ops._all_dtensors(*lists)
-    assert _fused_ops.shards_of(p, p.grad, lists[2])[0] is p._local_tensor
-    with TorchDispatchMode():
-        assert not _fused_ops.handler_is_reached()
-    with TorchFunctionMode():
-        assert not _fused_ops.handler_is_reached()
-    # another handler registered for the op (ours is restored when the patch ends)
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    with unittest.mock.patch.dict(handlers, {_fused_ops.fused_update: lambda *args: None}):
-        assert not _fused_ops.handler_is_reached()
-    assert _fused_ops.handler_is_reached()
-
-    class Sub(DTensor):
-        pass
-
-    sub = Sub(p.to_local(), p._spec, requires_grad=False)
-    assert not _fused_ops._all_dtensors([sub], *lists[1:]) and _fused_ops.shards_of(sub, p.grad, lists[2]) is None
-    # a gradient laid out otherwise: no shards (the op then raises LayoutMismatch and the step runs it op by op)
-    assert _fused_ops.shards_of(p, DTensor.from_local(p.grad.to_local(), mesh, [Replicate()], run_check=False),
-                                lists[2]) is None
 
 
-@pytest.mark.parametrize("name, kwargs, op_steps", [
-    ("AdamW", dict(lr=1e-2, state_format="8bit"), 1),
-    ("AdamW", dict(lr=1e-2, state_format="4bit"), 1),  # stochastic 4-bit exp_avg: a hash of the value
-    ("AdamW", dict(lr=1e-2, state_format="fp8"), 1),
-    ("AdamW", dict(lr=1e-2, state_format="fp32"), 1),
-    ("Lion", dict(lr=1e-3, state_format="8bit"), 1),
-    ("SGD", dict(lr=1e-2, momentum=0.9, state_format="8bit"), 1),
-    ("SGD", dict(lr=1e-2), 4),  # no states: no C kernel, so no prepared call; the op every step
+@pytest.mark.parametrize("name, kwargs", [
+    ("AdamW", dict(lr=1e-2, state_format="8bit")),
+    ("AdamW", dict(lr=1e-2, state_format="4bit")),  # stochastic 4-bit exp_avg: a hash of the value
+    ("AdamW", dict(lr=1e-2, state_format="fp8")),
+    ("AdamW", dict(lr=1e-2, state_format="fp32")),
+    ("Lion", dict(lr=1e-3, state_format="8bit")),
+    ("SGD", dict(lr=1e-2, momentum=0.9, state_format="8bit")),
+    ("SGD", dict(lr=1e-2)),  # no states
 ])
-def test_every_rule_and_format_on_dtensor_equals_the_unsharded_steps_after_the_first(name, kwargs, op_steps):
-    # rank 0 of the fake world: four steps, the first through the op's handler and the later ones through
-    # the shard's prepared C-kernel call where the kind has one, each equal to the unsharded step's rows
+def test_every_rule_and_format_on_dtensor_equals_the_unsharded_steps(name, kwargs):
+    # rank 0 of the fake world: four steps through the op (the first builds the shards' kernel calls,
+    # the later ones reuse them), each equal to the unsharded step's rows
     import qstate.optim
-    from qstate.dtensor_rules import _fused_ops
 
     torch.manual_seed(0)
     full, grads = torch.randn(10, 300), [torch.randn(10, 300) for _ in range(4)]
@@ -353,19 +323,11 @@ def test_every_rule_and_format_on_dtensor_equals_the_unsharded_steps_after_the_f
     ref, p = torch.nn.Parameter(full.clone()), torch.nn.Parameter(shard(full))
     make = getattr(qstate.optim, name)
     ref_opt, opt = make([ref], **kwargs), make([p], **kwargs)
-    shard_kernel, calls = _fused_ops._shard_kernel(), []
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return shard_kernel(*args, **kw)
-
-    with unittest.mock.patch.object(_fused_ops, "_shard_kernel", lambda: counted):
-        for g in grads:
-            ref.grad, p.grad = g.clone(), shard(g)
-            ref_opt.step()
-            opt.step()
-            assert torch.equal(p.to_local(), ref.detach()[:3])
-    assert len(calls) == op_steps
+    for g in grads:
+        ref.grad, p.grad = g.clone(), shard(g)
+        ref_opt.step()
+        opt.step()
+        assert torch.equal(p.to_local(), ref.detach()[:3])
 
 
 @pytest.mark.parametrize("path", ["eager", "c kernel", "op by op in the op"])

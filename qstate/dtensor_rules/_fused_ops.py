@@ -6,28 +6,27 @@ them share: the update of a shard is the shard of the update. ``Partial``
 inputs (the sum of the shards is not a shard of the sum) and differing layouts
 would need communication; the rule rejects them instead (:class:`LayoutMismatch`,
 before any tensor is written), so the step issues zero collectives. ``hyper`` is
-a plain (replicated) tensor, or its values as Python floats where the optimizers
-call the handler themselves (:func:`call_fused_update`).
+a plain (replicated) tensor.
 
-The optimizers reach the handler without DTensor's dispatcher where nothing
-could intercept the op (:func:`handler_is_reached`), and on later steps run a
-shard's prepared call (C or inductor kernel) where the handler would run exactly that
-(:func:`shards_of`); under any dispatch or function mode they call the op.
+With ``sr_keys`` (stochastic rounding), each element's draw follows its place in the full
+parameter: the rule passes each shard's flat offset (``starts``) to the shards' op, which needs
+every shard to be one range of the flat parameter on one rank (``Shard(0)``/``Replicate``, a
+real rank's shard; a simulated rank's ``LocalTensor`` holds several ranks' shards at once).
+
+The rule is a handler in DTensor's table (:data:`QSTATE_OP_RULES`): it checks the layouts,
+then calls the op on the local shards, where the dispatcher reaches the op's kernels.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
-import torch
-
-from qstate._library import fused_update, hyper_tensor, states_per_param
-from qstate.distributed import _dtensor_type, _quantized_state_type
+from qstate._library import fused_update, states_per_param
+from qstate.distributed import _dtensor_type
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["QSTATE_OP_RULES", "LayoutMismatch", "call_fused_update", "flat_start", "fused_update_handler",
-           "layout_mismatch", "shards_of"]
+__all__ = ["QSTATE_OP_RULES", "LayoutMismatch", "flat_start", "fused_update_handler", "layout_mismatch",
+           "update_mismatch"]
 
 
 class LayoutMismatch(ValueError):
@@ -85,28 +84,43 @@ def _name(i: int) -> str:
     return "param" if i == 0 else "grad" if i == 1 else f"states[{i - 2}]"
 
 
+def update_mismatch(param, grad, states, stochastic_round: bool) -> Optional[Exception]:
+    """Why this rule cannot run one parameter's update shard by shard (``None``: it can):
+    :func:`layout_mismatch`, and with stochastic rounding (``sr_keys``) a shard that is not one
+    range of the flat parameter on one rank (:func:`flat_start`; not a simulated rank's
+    ``LocalTensor``)."""
+    error = layout_mismatch(param, grad, states)
+    if error is not None or not stochastic_round:
+        return error
+    if flat_start(param) is None:
+        return LayoutMismatch(f"placements {param.placements} do not keep each shard one range of the flat "
+                              f"parameter (Shard(0) and Replicate do)")
+    if _is_local_tensor(param._local_tensor):
+        return LayoutMismatch("the shards are simulated ranks' (LocalTensor): each rank's place in the flat "
+                              "parameter is a different argument")
+    return None
+
+
 def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
     params, grads, states, hyper, kind, *rest = args
     sr_keys = rest[0] if rest else kwargs.get("sr_keys")
     n = states_per_param(params, grads, states)
     for i, (param, grad) in enumerate(zip(params, grads)):
-        error = layout_mismatch(param, grad, states[i * n:(i + 1) * n])
+        error = update_mismatch(param, grad, states[i * n:(i + 1) * n], sr_keys is not None)
         if error is not None:
-            raise type(error)(f"qstate::fused_update on DTensors: params[{i}]: {error}")
-    extra = {}
-    if sr_keys is not None:  # stochastic rounding draws by each element's place in the full parameter
-        starts = [flat_start(p) for p in params]
-        for i, start in enumerate(starts):
-            if start is None:
-                raise LayoutMismatch(f"qstate::fused_update on DTensors with sr_keys: params[{i}]: placements "
-                                     f"{params[i].placements} do not keep each shard one range of the flat parameter "
-                                     f"(Shard(0) and Replicate do)")
-        extra = {"sr_keys": sr_keys, "starts": starts}
-    local = ([p._local_tensor for p in params], [g._local_tensor for g in grads], [s._local_tensor for s in states])
-    if _reaches_shard_kernel(local):
-        _shard_kernel()(*local, hyper, kind, **extra)
-    else:
-        op_call(*local, hyper_tensor(hyper), kind, **extra)
+            raise type(error)(f"qstate::fused_update on DTensors{' with sr_keys' if sr_keys is not None else ''}: "
+                              f"params[{i}]: {error}")
+    extra = {} if sr_keys is None else {"sr_keys": sr_keys, "starts": [flat_start(p) for p in params]}
+    op_call([p._local_tensor for p in params], [g._local_tensor for g in grads], [s._local_tensor for s in states],
+            hyper, kind, **extra)
+
+
+def _is_local_tensor(t) -> bool:
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # no rank simulation in this torch
+        return False
+    return isinstance(t, LocalTensor)
 
 
 def flat_start(param) -> Optional[int]:
@@ -126,95 +140,6 @@ def flat_start(param) -> Optional[int]:
     for size in shape[1:]:
         row *= size
     return offset[0] * row if shape else 0
-
-
-def call_fused_update(params, grads, states, hyper, kind: str, sr_keys: Optional[list[int]] = None) -> None:
-    """``qstate::fused_update(params, grads, states, hyper, kind, sr_keys)`` on DTensors, as the optimizers call it.
-
-    DTensor's dispatcher answers the op by calling :func:`fused_update_handler` (this module's
-    rule). Where nothing else could see the call (:func:`handler_is_reached` and every tensor
-    exactly a ``DTensor``), this calls the handler directly and saves the dispatcher's hop, about
-    0.06 ms a step with cold caches (``benchmarks/bench_dtensor_step.py``); otherwise it calls the
-    op. The same handler runs either way, with the same checks and errors.
-
-    ``hyper``: the op's scalar vector, or on the CPU its values as Python floats, which the shards'
-    C kernel reads as they are (:func:`qstate._library.hyper_tensor` makes the tensor where one is
-    needed).
-    """
-    extra = {} if sr_keys is None else {"sr_keys": sr_keys}
-    if handler_is_reached() and _all_dtensors(params, grads, states):
-        fused_update_handler(fused_update, (params, grads, states, hyper, kind), extra)
-    else:
-        fused_update(params, grads, states, hyper_tensor(hyper), kind, **extra)
-
-
-def handler_is_reached() -> bool:
-    """Whether DTensor's dispatcher would hand ``qstate::fused_update`` on ``DTensor`` inputs to
-    :func:`fused_update_handler` with nothing able to intercept it: no dispatch or function mode is
-    active (``CommDebugMode``, ``FakeTensorMode``, ...), nothing is being compiled, and the handler
-    registered for the op is this one (``import qstate`` registers it). A
-    property of the moment, not of the tensors: asked once per step."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    return _dtensor_type()._op_dispatcher._custom_op_handlers.get(fused_update) is fused_update_handler
-
-
-def _all_dtensors(*lists) -> bool:
-    """Whether every tensor is exactly a ``DTensor`` (a subclass may dispatch otherwise)."""
-    DTensor = _dtensor_type()
-    return all(type(t) is DTensor for tensors in lists for t in tensors)
-
-
-def shards_of(param, grad, states) -> Optional[tuple]:
-    """``(param, grad, states)``'s local shards, if :func:`call_fused_update` of this one update would
-    run the op's shard kernel on exactly them, else ``None``. The caller has checked
-    :func:`handler_is_reached` (once per step); then it would when every tensor is exactly a
-    ``DTensor``, the layouts match (as :func:`layout_mismatch` checks) and the shards reach the
-    shard kernel (:func:`_reaches_shard_kernel`).
-
-    Lets a caller that holds the shard kernel's prepared work for these shards run it without the
-    op (``qstate.optim._fused_op.prepared_shard_call``); it must then do exactly what the shard
-    kernel would.
-    """
-    DTensor = _dtensor_type()
-    if type(param) is not DTensor or type(grad) is not DTensor:
-        return None
-    spec = param._spec
-    if not _same_layout(spec, grad._spec):
-        return None
-    for s in states:
-        if type(s) is not DTensor or not _same_layout(spec, s._spec):
-            return None
-    if _has_partial(spec):
-        return None
-    local = ((param._local_tensor,), (grad._local_tensor,), [s._local_tensor for s in states])
-    if not _local_types_reach_shard_kernel(local):
-        return None
-    return local[0][0], local[1][0], local[2]
-
-
-@functools.cache
-def _shard_kernel() -> Callable:
-    """The op's kernel on the local shards, ``qstate.optim._fused_op.update_shards`` (imported on first
-    use: this package never imports the optimizers at import time)."""
-    from qstate.optim._fused_op import update_shards
-
-    return update_shards
-
-
-def _reaches_shard_kernel(local: tuple) -> bool:
-    """Whether re-dispatching the op on these local tensors would only call :func:`_shard_kernel`:
-    no dispatch mode is active (``LocalTensorMode``, fake tensors, ...) and every tensor is a plain
-    tensor (the op's ``CompositeExplicitAutograd`` kernel) or a ``QuantizedState`` (whose op table
-    calls the same function). Calling it directly saves the second dispatch, about 0.01 ms a step."""
-    return not torch._C._len_torch_dispatch_stack() and _local_types_reach_shard_kernel(local)
-
-
-def _local_types_reach_shard_kernel(local: tuple) -> bool:
-    direct = (torch.Tensor, torch.nn.Parameter, _quantized_state_type())
-    return all(type(t) in direct for tensors in local for t in tensors)
 
 
 #: qstate's own op (registered by ``import qstate``)

@@ -1,42 +1,35 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``functional.apply_update`` calls the op for its DTensor parameters
-(``call_fused_update``; with bf16 stochastic rounding where the shards run a
-fused kernel, with ``sr_keys``, see :mod:`qstate._library`); DTensor's handler for it
-(:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state
-shares its parameter's layout (else ``LayoutMismatch``, before any write) and
-runs it on every shard, so the step code never unwraps a DTensor and issues
-no collectives. A later step whose shard has a valid prepared call (C or
-inductor kernel, :mod:`._prepared`), where the handler would run the shard
-kernel on that shard, queues the call
-without the op (:func:`prepared_shard_call`): what the op would run, bit for
-bit. On the shard:
+``functional.apply_update`` calls the op for its DTensor parameters, one call per
+(device, kind) per step (with bf16 stochastic rounding where the shards run a fused kernel,
+with ``sr_keys``, see :mod:`qstate._library`). DTensor's rule for it
+(:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state shares its
+parameter's layout (else ``LayoutMismatch``, before any write) and calls the op on the
+shards, so the step code never unwraps a DTensor and issues no collectives. On the shards:
 
 * plain states: the ``CompositeExplicitAutograd`` kernel below;
 * :class:`~qstate.QuantizedState` states: the same function, registered in
   QuantizedState's op table (the subclass sees the op first).
 
-Both run :func:`~qstate.optim._kernels.run_fused` (one compiled graph per
-kernel kind, as for local tensors) when the shard is fusable, or the shard's
-prepared call where it has a valid one (queued: one group per
-kernel, as for local tensors), else the same rule math op by op; calls built by :func:`eager_call` (small plain states)
-always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
-registered by :func:`call_key` (rule, static flags, stochastic rounding,
-eager).
+Both run a shard's prepared call where it has a valid one (:mod:`._prepared`: the C or
+inductor kernel and its arguments from an earlier step; queued, one group per kernel), else
+:func:`~qstate.optim._kernels.run_fused` (one compiled graph per kernel kind, as for local
+tensors) when the shard is fusable, else the same rule math op by op; calls built by
+:func:`eager_call` (small plain states) always run the math op by op. ``kind`` is the key of a
+:class:`FusedCall` registered by :func:`call_key` (rule, static flags, stochastic rounding, eager).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
-from .._library import LIBRARY, fused_update, hyper_tensor, states_per_param
-from ..dtensor_rules._fused_ops import shards_of
+from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
 from . import _cpu_kernel, _prepared
 from ._kernels import KernelSpec, fusable, run_fused
@@ -44,7 +37,7 @@ from ._prepared import PendingCalls, PreparedUpdate
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "prepared_shard_call", "update_shards"]
+__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "update_shards"]
 
 
 @dataclass(frozen=True)
@@ -100,18 +93,14 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
 
 
 def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
-                  hyper: Union[Tensor, Sequence[float]], kind: str, sr_keys: Optional[Sequence[int]] = None,
+                  hyper: Tensor, kind: str, sr_keys: Optional[Sequence[int]] = None,
                   starts: Optional[Sequence[int]] = None) -> None:
     """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout,
     ``sr_keys`` and ``starts``).
 
-    DTensor's handler calls it on the local shards directly where re-dispatching the op would
-    reach it anyway (:func:`qstate.dtensor_rules._fused_ops.fused_update_handler`); then ``hyper``
-    may be the scalars as Python floats (float32 values), which prepared C-kernel calls read as they are
-    (a prepared inductor-kernel call makes a CPU tensor of them).
-    With ``sr_keys`` each parameter's draws follow its key and each element's place in the full tensor,
-    in the fused kernels and op by op alike (a kind without stochastic rounding raises before anything
-    is written)."""
+    With ``sr_keys`` each parameter's draws follow its key and each element's place in the full
+    tensor, in the fused kernels and op by op alike (a kind without stochastic rounding raises before
+    anything is written)."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
     if sr_keys is not None:  # every parameter checked before any is written
@@ -121,7 +110,6 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
         for i, param in enumerate(params):
             _check_sr_keys_shard(call, param, i)
     pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
-    as_tensor: Optional[Tensor] = None  # ``hyper`` as a tensor, made once for the shards that need one
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
         key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
@@ -132,30 +120,8 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
             pending.add(found, param, grad, None, hyper, key=sr_key)
         else:
             pending.before(param)
-            if as_tensor is None:
-                as_tensor = hyper_tensor(hyper)
-            _update_shard(param, grad, shard_states, as_tensor, call, key, start)
+            _update_shard(param, grad, shard_states, hyper, call, key, start)
     pending.run()
-
-
-def prepared_shard_call(kind: tuple, param: Tensor, grad: Tensor,
-                        states: Sequence[Tensor]) -> Optional[tuple[PreparedUpdate, Tensor, Tensor]]:
-    """A DTensor parameter's update as the op would run it, without the op: its shard's valid
-    prepared call (``kind``: :attr:`FusedCall.prepared_kind`), with the shard's parameter
-    and gradient, where the op's rule would run this update on exactly those shards
-    (:func:`~qstate.dtensor_rules._fused_ops.shards_of`; the caller has checked
-    :func:`~qstate.dtensor_rules._fused_ops.handler_is_reached`), else ``None`` (call the op).
-
-    :func:`update_shards` would find and run the same prepared call with the same scalars, so the
-    result is the op's, bit for bit. A shard has a prepared call only after an update through the
-    op (its layouts checked) ran a fused kernel; calls of the eager kind never prepare one.
-    """
-    shards = shards_of(param, grad, states)
-    if shards is None:
-        return None
-    p, g, shard_states = shards
-    call = _prepared.prepared(kind, p, g, shard_states)
-    return None if call is None else (call, p, g)
 
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall,

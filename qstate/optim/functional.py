@@ -30,8 +30,6 @@ Paths
   ``qstate::fused_update``, which DTensor runs shard by shard with the same
   kernels (``_fused_op.py``; no collectives). The op's rule checks the
   layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
-  Later steps queue the shard's prepared call with the plain parameters'
-  where the op would run exactly that call (``_fused_op.prepared_shard_call``).
   bf16 stochastic rounding takes this path where each shard is one range of
   the flat parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are
   the keys a plain parameter at that position would get, and the shards'
@@ -70,10 +68,9 @@ from torch import Tensor
 
 from ..distributed import is_dtensor, is_quantized_state
 from .. import _splitmix64 as splitmix64
-from ..dtensor_rules._fused_ops import (LayoutMismatch, call_fused_update, flat_start, handler_is_reached,
-                                        layout_mismatch, shards_of)
+from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
 from . import _cpu_kernel, _prepared
-from ._fused_op import call_key, eager_call, fused_kind, prepared_shard_call
+from ._fused_op import call_key, eager_call, fused_kind, fused_update
 from ._kernels import KernelSpec, fusable, run_fused
 from ._prepared import PendingCalls
 from ._rules import RULES, UpdateRule
@@ -132,14 +129,6 @@ class _Scalars:
                      for v in (self.given[n] for n in self._CALLER)]
             self._host[step] = (*given, *(f[n] for n in self.rule.scalar_names[len(self._CALLER):]))
         return self._host[step]
-
-    def shard_hyper(self, step: int, device: torch.device) -> Union[Tensor, tuple[float, ...]]:
-        """:meth:`hyper` for ``qstate::fused_update`` on DTensors: on the CPU (no tensor ``lr`` or
-        ``grad_unscale``) its values as :meth:`host` floats, which the shards' C kernel reads
-        without a tensor (``call_fused_update`` makes the tensor where one is needed)."""
-        if device.type == "cpu" and not self._tensors:
-            return self.host(step)
-        return self.hyper(step, device)
 
     def hyper(self, step: int, device: torch.device) -> Tensor:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
@@ -210,27 +199,16 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
     batches: dict[tuple, _Batch] = {}
     ready = PendingCalls()
     keys = _cpu_kernel.ParamKeys()  # the C kernel's stochastic-rounding keys, by position in ``params``
-    direct: Optional[bool] = None
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         dtensor = is_dtensor(p)
         # the fused kernel's call of an earlier step (C or inductor), if nothing it relies on changed:
-        # queued, one group per kernel; for a DTensor its shard's, where the op would run that call (a
-        # stochastically rounding shard's call drew by its place in the full parameter: it has one only
-        # from the op with sr_keys)
+        # queued, one group per kernel
         if compile and not dtensor:
             call = _prepared.prepared((rule.name, static, sr), p, g, st)
             if call is not None:
                 ready.add(call, p, g, step, call.scalars_of(scalars, step), key=keys(i) if call.sr else 0)
-                continue
-        elif compile:
-            if direct is None:  # whether the op would reach its DTensor handler: once per step
-                direct = handler_is_reached()
-            found = prepared_shard_call((rule.name, static, sr), p, g, st) if direct else None
-            if found is not None:
-                ready.add(found[0], found[1], found[2], step, found[0].scalars_of(scalars, step), owner=p,
-                          key=keys(i) if found[0].sr else 0)
                 continue
         ready.before(p)
         if not compile:  # stochastic rounding draws as the fused kernels would (any layout)
@@ -238,16 +216,15 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         elif dtensor:
             # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
             # compiled (or C) kernel, or for small plain states the C kernel does not take the
-            # eager math with the eager scalars (as for a plain tensor). The op checks the layouts:
-            # of a batch it rejects (LayoutMismatch, before any write), the parameters whose
-            # layouts differ run op by op and the others the op.
-            # With stochastic rounding where each shard is one range of the flat parameter, with sr_keys
-            # (the keys a plain parameter gets): the shards' draws, fused kernel or op by op, follow each
-            # element's place in the full parameter, so the update is the unsharded one's on any number
-            # of ranks; elsewhere the DTensor's op-by-op path draws the same way (qstate::flat_index_like
-            # gives each shard its elements' global indices).
+            # eager math with the eager scalars (as for a plain tensor). The op's rule checks the
+            # layouts: of a batch it rejects (LayoutMismatch, before any write), the parameters it
+            # cannot run shard by shard run op by op and the others the op.
+            # With stochastic rounding, sr_keys (the keys a plain parameter gets): the shards' draws,
+            # fused kernel or op by op, follow each element's place in the full parameter, so the
+            # update is the unsharded one's on any number of ranks; where the rule cannot say each
+            # shard's place, the op-by-op path draws the same way (qstate::flat_index_like).
             st = list(st)
-            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)) or (sr and not _shards_draw_by_place(p, g, st)):
+            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
                 continue
             small, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
@@ -263,17 +240,9 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         try:
             batch.run()
         except LayoutMismatch:  # raised before anything was written: the op takes the others
-            for p, g, st, key in batch.drop(lambda p, g, st: layout_mismatch(p, g, st) is not None):
+            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.sr) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
-
-
-def _shards_draw_by_place(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
-    """Whether the stochastically rounding update of the DTensor ``p`` can run on its shards through the
-    op with ``sr_keys``, whose draws (fused kernel or op by op) follow each element's place: each shard is
-    one range of the flat parameter (:func:`flat_start`), and the local shards are plain tensors or
-    ``QuantizedState`` (not a simulated rank's ``LocalTensor``: :func:`shards_of`)."""
-    return shards_of(p, g, st) is not None and flat_start(p) is not None
 
 
 def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
@@ -299,7 +268,7 @@ class _Batch:
             self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
         else:
-            self.hyper, self.kind = scalars.shard_hyper(step, device), fused_kind(rule.name, static, sr)
+            self.hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
@@ -329,7 +298,7 @@ class _Batch:
     def run(self) -> None:
         if self.params:
             sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.sr else None
-            call_fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys)
+            fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured
