@@ -14,7 +14,8 @@ import torch
 import qstate
 from qstate.optim import _cpu_kernel, _prepared, cpu_kernel_enabled
 from qstate.optim import functional as F
-from qstate.optim._kernels import KernelSpec, state_entry
+from qstate.optim._kernels import KernelSpec
+from qstate.optim._state_kind import StateKind
 
 #: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D, and rows of several segments
 #: (_cpu_kernel._MIN_ENC8_UNIT) ending in a partial one
@@ -594,7 +595,7 @@ def test_fp8_vector_decode_equals_the_table_on_every_code(tmp_path):
 
     state = qstate.zeros_like(torch.zeros(2, 256), "fp8", signed=True, dtype=torch.float32)
     fn = _checker(tmp_path, [state], _FP8_DECODE_CHECK, "fp8_decode_mismatches")
-    qmap = _cpu_kernel._table_pointers(state_entry(state))[0]  # what the kernel decodes with
+    qmap = _cpu_kernel._table_pointers(StateKind.of(state))[0]  # what the kernel decodes with
     result = fn(ctypes.c_void_p(qmap))
     if result == -1:
         pytest.skip("this machine's build has no AVX2 path")
@@ -683,7 +684,7 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
               qstate.zeros_like(p, "4bit", signed=False, dtype=torch.float32)]
     fn = _checker(tmp_path, states, _MAP4_CHECK, "map4_mismatches", _vector_flags(lanes))
     y = _map_inputs("4bit", [0.0, 1.0, 2.0**-149, 1e-30], 16, clamp=True)
-    tables = [_cpu_kernel._table_pointers(state_entry(s)) for s in states]
+    tables = [_cpu_kernel._table_pointers(StateKind.of(s)) for s in states]
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
     for qmap, table, _, _, threshold in tables:
         args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table), ctypes.c_void_p(threshold)]
@@ -730,7 +731,7 @@ def test_8bit_vector_encode_equals_the_scalar_encode(tmp_path):
     fn = _checker(tmp_path, states, _MAP8_CHECK, "map8_mismatches")
     y = _map_inputs("8bit", [0.0, 1.0, 1.5, 2.0**-149, 1e-30, 2.0**100, float("inf"), float("nan")], 32, clamp=False)
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
-    for qmap, table, *_ in (_cpu_kernel._table_pointers(state_entry(s)) for s in states):
+    for qmap, table, *_ in (_cpu_kernel._table_pointers(StateKind.of(s)) for s in states):
         args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table)]
     results = [fn(*args, ctypes.c_int(state)) for state in (0, 1)]
     if -1 in results:

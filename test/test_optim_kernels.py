@@ -122,13 +122,14 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
 
 
 def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes():
-    from qstate.optim._kernels import fusable, state_entry
+    from qstate.optim._kernels import fusable
+    from qstate.optim._state_kind import StateKind
 
     p, g = torch.randn(8, 64), torch.randn(8, 64)
     m = qstate.zeros_like(p, "4bit", rounding="stochastic")
     v = qstate.zeros_like(p, "4bit", signed=False)
-    assert state_entry(m) == ("q", "4bit", True, 128, "stochastic")
-    assert state_entry(v) == ("q", "4bit", False, 128, "nearest")
+    assert StateKind.of(m) == StateKind.quantized_as("4bit", 128, signed=True, rounding="stochastic")
+    assert StateKind.of(v) == StateKind.quantized_as("4bit", 128, signed=False, rounding="nearest")
     assert fusable(p, g, [m, v])
     # a state whose format does not implement its rounding (built past the public API's checks) runs eagerly
     fp8 = qstate.zeros_like(p, "fp8")

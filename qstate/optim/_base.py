@@ -91,6 +91,7 @@ from ..distributed import local_of, state_kind, wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import functional as F
 from ._rules import UpdateRule
+from ._state_kind import StateKind
 
 __all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "POLICY_OPTIONS", "STOCHASTIC_BY_DEFAULT",
            "state_rounding"]
@@ -246,8 +247,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _describe(self, index: int, p: Tensor) -> str:
         return f"{type(self).__name__}: param {index} (shape {tuple(p.shape)}, {p.dtype})"
 
-    def plan(self, p: Tensor, group: dict, index: int) -> tuple:
-        """The state kind of one parameter: ``("q", fmt, block_size)`` or ``("plain", dtype)``; raises if impossible."""
+    def plan(self, p: Tensor, group: dict, index: int) -> StateKind:
+        """The kind of one parameter's states (plain, or quantized without ``signed``/``rounding``,
+        which each state sets); raises if impossible."""
         what = self._describe(index, p)
         if not p.is_floating_point() or p.is_complex():
             raise TypeError(f"{what}: expected a floating-point parameter")
@@ -255,20 +257,20 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{what}: sparse parameters are not supported")
         fmt = group["state_format"]
         if fmt == "fp32" or p.numel() < group["min_quantize_numel"]:
-            return ("plain", torch.float32)
+            return StateKind.plain(torch.float32)
         if p.dtype not in _LOW_PRECISION_PARAM_DTYPES:
             raise TypeError(f"{what}: state_format={fmt!r} serves float32/bfloat16/float16 parameters, got {p.dtype}")
         if fmt in PLAIN_FORMATS:
-            return ("plain", PLAIN_FORMATS[fmt])
+            return StateKind.plain(PLAIN_FORMATS[fmt])
         if not wants_quantized(p, group["min_quantize_numel"]):
-            return ("plain", torch.float32)
+            return StateKind.plain(torch.float32)
         f = get_format(fmt)
         bs = f.default_block_size if group["block_size"] is None else group["block_size"]
         try:
             f.check_block_size(bs)
         except ValueError as e:
             raise ValueError(f"{what}: state_format={fmt!r} cannot use block_size={bs!r}: {e}") from None
-        return ("q", fmt, bs)
+        return StateKind.quantized_as(fmt, bs)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -295,14 +297,14 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return state
 
     @staticmethod
-    def _zero_state(like: Tensor, kind: tuple, signed: bool, group: dict) -> Tensor:
+    def _zero_state(like: Tensor, kind: StateKind, signed: bool, group: dict) -> Tensor:
         """A zero state of ``kind`` (:meth:`plan`) with ``like``'s shape, device (and DTensor layout); a
         quantized one has ``signed`` and the rounding :func:`state_rounding` gives it in ``group``."""
-        if kind[0] == "q":
-            rounding = state_rounding(kind[1], signed, group["state_rounding"])
-            return q_zeros_like(like, kind[1], signed=signed, block_size=kind[2], dtype=torch.float32,
+        if kind.quantized:
+            rounding = state_rounding(kind.format, signed, group["state_rounding"])
+            return q_zeros_like(like, kind.format, signed=signed, block_size=kind.block_size, dtype=torch.float32,
                                 rounding=rounding)
-        return torch.zeros_like(like, dtype=kind[1], memory_format=torch.preserve_format)
+        return torch.zeros_like(like, dtype=kind.dtype, memory_format=torch.preserve_format)
 
     def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Any) -> None:
         """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""
@@ -315,8 +317,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{what}: expected a tensor, got {type(value).__name__}")
         got = state_kind(value)
         signed = specs[name].signed
-        rounding = state_rounding(kind[1], signed, group["state_rounding"]) if kind[0] == "q" else None
-        want = quantized_kind(kind[1], signed, kind[2], rounding) if kind[0] == "q" else f"plain {kind[1]}"
+        rounding = state_rounding(kind.format, signed, group["state_rounding"]) if kind.quantized else None
+        want = (quantized_kind(kind.format, signed, kind.block_size, rounding) if kind.quantized
+                else f"plain {kind.dtype}")
         if got != want:
             # the rounding option is named where it decides (set, or a stochastic state on either side)
             got_rounding = getattr(local_of(value), "rounding", None)

@@ -72,6 +72,7 @@ from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
 from ._prepared import PreparedUpdate
+from ._state_kind import StateKind
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
            "param_key"]
@@ -164,14 +165,14 @@ def _binade_tables(fmt: str, signed: bool) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _in_register_encode(fmt: str, signed: bool, rounding: str) -> bool:
-    """Whether a state of this kind encodes with ``encode8_64``: an 8-bit map rounded to nearest
-    whose map fits :func:`_binade_tables` (one that does not keeps the table's encode)."""
-    codec = get_codec(fmt, signed, "cpu")
-    if not (codec.lookup and codec.fmt.bits == 8 and rounding == "nearest" and codec.qmap.numel() == 256):
+def _in_register_encode(kind: StateKind) -> bool:
+    """Whether a quantized state of ``kind`` encodes with ``encode8_64``: an 8-bit map rounded to
+    nearest whose map fits :func:`_binade_tables` (one that does not keeps the table's encode)."""
+    codec = get_codec(kind.format, kind.signed, "cpu")
+    if not (codec.lookup and codec.fmt.bits == 8 and kind.rounding == "nearest" and codec.qmap.numel() == 256):
         return False
     try:
-        _binade_tables(fmt, signed)
+        _binade_tables(kind.format, kind.signed)
     except ValueError:
         return False
     return True
@@ -227,16 +228,16 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
         return False
     if spec.param_dtype not in _DTYPES or grad_dtype not in _DTYPES:
         return False
-    if all(s[0] == "plain" for s in spec.states):
-        return all(s[1] in _DTYPES for s in spec.states) and _compiler() is not None
+    if not any(s.quantized for s in spec.states):
+        return all(s.dtype in _DTYPES for s in spec.states) and _compiler() is not None
     for s in spec.states:
-        if s[0] != "q" or not isinstance(get_format(s[1]), (MapFormat, Float8Format)):
+        if not s.quantized or not isinstance(get_format(s.format), (MapFormat, Float8Format)):
             return False
-        if not get_codec(s[1], s[2], "cpu").supports(s[4]):
+        if not get_codec(s.format, s.signed, "cpu").supports(s.rounding):
             return False
-    sizes = [s[3] for s in spec.states]
+    sizes = [s.block_size for s in spec.states]
     group = math.gcd(*sizes)
-    if any(get_format(s[1]).bits == 4 for s in spec.states) and group % 2:
+    if any(get_format(s.format).bits == 4 for s in spec.states) and group % 2:
         return False
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
 
@@ -278,29 +279,29 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
     lines.append(f"#define PARAM_SR {int(spec.param_sr)}")
     lines.append(f"#define NSTATES {len(spec.states)}")
-    sizes = [s[3] if s[0] == "q" else _PLAIN_UNIT for s in spec.states]
+    sizes = [s.block_size if s.quantized else _PLAIN_UNIT for s in spec.states]
     lines.append(f"#define GROUP {math.gcd(*sizes)}")
     unit = math.lcm(*sizes)
-    enc8 = any(s[0] == "q" and _in_register_encode(s[1], s[2], s[4]) for s in spec.states)
+    enc8 = any(s.quantized and _in_register_encode(s) for s in spec.states)
     if enc8:
         unit *= -(-_MIN_ENC8_UNIT // unit)
     lines.append(f"#define UNIT {unit}")
     lines.append(f"#define PREFETCH_AHEAD {_ENC8_PREFETCH_AHEAD if enc8 else 0}")
     lines.append(f"#define ENC8_E_LOW {_E_LOW}")
     for i, s in enumerate(spec.states):
-        if s[0] == "plain":
-            consts = {"PLAIN": 1, "BF16": int(s[1] == torch.bfloat16), "ENC8": 0, "ENC4": 0, "BITS": 32,
+        if not s.quantized:
+            consts = {"PLAIN": 1, "BF16": int(s.dtype == torch.bfloat16), "ENC8": 0, "ENC4": 0, "BITS": 32,
                       "BS": _PLAIN_UNIT, "SIGNED": 1, "SHIFT": 0, "BASE": 0, "K": 1, "ZERO": 0, "SR": 0, "N": 1,
                       "FP8": 0, "MAXCODE": "1.0f"}
             lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
             continue
-        codec = get_codec(s[1], s[2], "cpu")
+        codec = get_codec(s.format, s.signed, "cpu")
         fp8 = not codec.lookup
-        consts = {"PLAIN": 0, "BF16": 0, "ENC8": int(_in_register_encode(s[1], s[2], s[4])),
-                  "ENC4": int(_map16_thresholds(s[1], s[2]) is not None),
-                  "BITS": codec.fmt.bits, "BS": s[3], "SIGNED": int(codec.signed),
+        consts = {"PLAIN": 0, "BF16": 0, "ENC8": int(_in_register_encode(s)),
+                  "ENC4": int(_map16_thresholds(s.format, s.signed) is not None),
+                  "BITS": codec.fmt.bits, "BS": s.block_size, "SIGNED": int(codec.signed),
                   "SHIFT": 0 if fp8 else 23 - codec.m_bits, "BASE": 0 if fp8 else codec.base,
-                  "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s[4] == "stochastic"),
+                  "K": 1 if fp8 else codec.k, "ZERO": codec.zero_code, "SR": int(s.rounding == "stochastic"),
                   "N": 256 if fp8 else codec.qmap.numel(), "FP8": int(fp8), "MAXCODE": f"{codec.fmt.max_code!r}f"}
         lines += [f"#define S{i}_{k} {v}" for k, v in consts.items()]
     lines.append("#define FOR_STATES(X) " + " ".join(f"X({i})" for i in range(len(spec.states))))
@@ -368,18 +369,18 @@ def built_kinds() -> list[str]:
     return sorted(_tag(*key) for key in _LIBS)
 
 
-def _table_pointers(entry: tuple) -> tuple[int, int, int, int, int]:
-    """The kernel's tables for a state of ``entry``'s kind (its codec's, cached for the process):
+def _table_pointers(kind: StateKind) -> tuple[int, int, int, int, int]:
+    """The kernel's tables for a state of ``kind`` (its codec's, cached for the process):
     ``qmap``, ``table``, ``binade``, ``bucket``, ``threshold`` (0 where the kind has none)."""
-    if entry[0] != "q":
+    if not kind.quantized:
         return (0, 0, 0, 0, 0)
-    codec = get_codec(entry[1], entry[2], "cpu")
+    codec = get_codec(kind.format, kind.signed, "cpu")
     if not codec.lookup:  # fp8: the values of the 256 codes (decode); no encode table
         return (_FP8_VALUES.data_ptr(), 0, 0, 0, 0)
     pointers = [t.data_ptr() for t in codec.tables[:2]]
-    if _in_register_encode(entry[1], entry[2], entry[4]):
-        pointers += [t.data_ptr() for t in _binade_tables(entry[1], entry[2])]
-    elif (thresholds := _map16_thresholds(entry[1], entry[2])) is not None:  # no binade and bucket tables
+    if _in_register_encode(kind):
+        pointers += [t.data_ptr() for t in _binade_tables(kind.format, kind.signed)]
+    elif (thresholds := _map16_thresholds(kind.format, kind.signed)) is not None:  # no binade and bucket tables
         pointers += [0, 0, thresholds.data_ptr()]
     return tuple(pointers + [0] * (5 - len(pointers)))
 
@@ -388,7 +389,7 @@ def state_slots(spec, p: Tensor, states: Sequence[Tensor], tables: Sequence[tupl
     """The kernel's ``qstate_t`` array for ``states`` (``tables``: :func:`_table_pointers` of each
     entry of ``spec``), and the ``rows`` / ``row_len`` it runs over."""
     arr = (_QState * len(states))()
-    if spec.states[0][0] == "plain":  # one row of values, read and written in place
+    if not spec.states[0].quantized:  # one row of values, read and written in place
         for slot, s in zip(arr, states):
             slot.codes, slot.code_stride = s.data_ptr(), p.numel()
         return arr, 1, p.numel()

@@ -2,10 +2,10 @@
 
 A kernel kind (:class:`KernelSpec`) is the optimizer rule and its static
 flags, the parameter dtype, bf16 stochastic rounding of the parameter on/off,
-and per state either ``("plain", dtype)`` or ``("q", format, signed,
-block_size, rounding)`` (``rounding``: the state's own, ``"nearest"`` or
-``"stochastic"``, see :mod:`qstate.formats._rounding`); shapes are not part of
-it. Each kind is compiled once (``fullgraph=True, dynamic=True``) from a
+and per state a :class:`~qstate.optim._state_kind.StateKind` (plain: its
+dtype; quantized: format, signed, block size and its own rounding,
+``"nearest"`` or ``"stochastic"``, see :mod:`qstate.formats._rounding`);
+shapes are not part of it. Each kind is compiled once (``fullgraph=True, dynamic=True``) from a
 function with its own code object, so kinds never share dynamo's cache
 entries or recompile limit.
 
@@ -71,6 +71,7 @@ from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._prepared import PreparedUpdate
 from ._rules import RULES, UpdateRule
+from ._state_kind import StateKind
 from ._rounding import position_draws, store_param
 
 __all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_kinds", "run_fused"]
@@ -84,17 +85,17 @@ class KernelSpec(NamedTuple):
     flags: tuple  # sorted (name, value) pairs of the rule's static flags
     param_dtype: torch.dtype
     stochastic_round: bool
-    states: tuple  # per state: ("plain", dtype) or ("q", format, signed, block_size, rounding)
+    states: tuple[StateKind, ...]
     device_type: str
 
     @classmethod
     def of(cls, rule: str, flags: tuple, p: Tensor, states: Sequence[Tensor], stochastic_round: bool) -> "KernelSpec":
-        """The kind of updating ``p`` and ``states`` (:func:`state_entry` each; a DTensor state counts as plain)."""
-        return cls(rule, flags, p.dtype, stochastic_round, tuple(state_entry(s) for s in states), p.device.type)
+        """The kind of updating ``p`` and ``states`` (:meth:`StateKind.of` each; a DTensor state counts as plain)."""
+        return cls(rule, flags, p.dtype, stochastic_round, tuple(StateKind.of(s) for s in states), p.device.type)
 
     @property
     def quantized(self) -> bool:
-        return any(s[0] == "q" for s in self.states)
+        return any(s.quantized for s in self.states)
 
     @property
     def param_sr(self) -> bool:
@@ -104,7 +105,7 @@ class KernelSpec(NamedTuple):
 
     def tag(self) -> str:
         parts = [self.rule, str(self.param_dtype).split(".")[-1], "sr" if self.stochastic_round else "rn"]
-        parts += ["_".join(str(x) for x in s).replace("torch.", "") for s in self.states]
+        parts += [s.tag() for s in self.states]
         return "_".join(parts).replace("-", "_")
 
 
@@ -166,9 +167,9 @@ def _packed(bits: int, codes: Tensor) -> Tensor:
 
 def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: list[Codec]) -> Callable:
     names = rule.scalar_names
-    fmts = [get_format(s[1]) for s in spec.states]
-    block_sizes = [s[3] for s in spec.states]
-    roundings = [s[4] for s in spec.states]
+    fmts = [get_format(s.format) for s in spec.states]
+    block_sizes = [s.block_size for s in spec.states]
+    roundings = [s.rounding for s in spec.states]
     unit = _block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
@@ -241,7 +242,7 @@ _RECOMPUTE_OPTIONS = {
 
 def _inductor_options(spec: KernelSpec) -> dict:
     """The kind's inductor options: :data:`_RECOMPUTE_OPTIONS` where every state encodes cheaply."""
-    if spec.quantized and any(get_format(s[1]).bits == 4 or s[4] == "stochastic" for s in spec.states):
+    if spec.quantized and any(get_format(s.format).bits == 4 or s.rounding == "stochastic" for s in spec.states):
         return _INDUCTOR_OPTIONS
     return {**_INDUCTOR_OPTIONS, **_RECOMPUTE_OPTIONS}
 
@@ -265,7 +266,7 @@ def get_kernel(spec: KernelSpec, device: torch.device) -> Callable:
         rule = RULES[spec.rule]
         flags = _flags_dict(spec)
         if spec.quantized:
-            codecs = [get_codec(s[1], s[2], device) for s in spec.states]
+            codecs = [get_codec(s.format, s.signed, device) for s in spec.states]
             body = _quantized_body(spec, rule, flags, codecs)
         else:
             body = _plain_body(spec, rule, flags)
@@ -277,13 +278,6 @@ def get_kernel(spec: KernelSpec, device: torch.device) -> Callable:
 def kernel_kinds() -> list[str]:
     """Tags of the kernels built so far in this process (one compiled graph each)."""
     return sorted({k[0].tag() for k in _KERNELS})
-
-
-def state_entry(state: Tensor) -> tuple:
-    """The :class:`KernelSpec` entry of one state."""
-    if type(state) is QuantizedState:
-        return ("q", state.format, state.signed, state.block_size, state.rounding)
-    return ("plain", state.dtype)
 
 
 def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
