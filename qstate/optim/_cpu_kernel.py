@@ -458,9 +458,6 @@ class PreparedCall(PreparedUpdate):
     def group(self) -> tuple:
         return ("c", self.kernel)
 
-    def scalars_of(self, scalars, step: int) -> tuple[float, ...]:
-        return scalars.host(step)
-
     def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
         """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
         self.fn(self.p_ptr, g.data_ptr(), self.slots, _hyper_arg(hyper), self.rows, self.row_len,

@@ -447,9 +447,6 @@ class PreparedKernelCall(PreparedUpdate):
     def group(self) -> tuple:
         return ("inductor", self.spec, self.device)
 
-    def scalars_of(self, scalars, step: int) -> Tensor:
-        return scalars.hyper(step, self.device)
-
     def __call__(self, p: Tensor, g: Tensor, hyper: Union[Tensor, Sequence[float]], key: int = 0) -> None:
         self.run_group([self], [p], [g], hyper, [key])
 

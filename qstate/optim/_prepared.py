@@ -112,10 +112,6 @@ class PreparedUpdate:
         """Calls with equal groups (and scalars) may run together (:meth:`run_group`)."""
         raise NotImplementedError
 
-    def scalars_of(self, scalars, step: int) -> Hyper:
-        """This call's ``hyper`` argument from the update's scalar cache (``functional._Scalars``)."""
-        raise NotImplementedError
-
     def __call__(self, p: Tensor, g: Tensor, hyper: Hyper, key: int = 0) -> None:
         """Run the update (``key``: the parameter's stochastic-rounding key, read if :attr:`sr`)."""
         raise NotImplementedError

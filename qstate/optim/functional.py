@@ -11,42 +11,41 @@ call these with their own state tensors.
 
 Paths
 -----
-* ``compile=True`` and a plain parameter whose states are all plain tensors
-  or all plain ``QuantizedState``: one fused compiled kernel per parameter
-  (decode -> update -> encode in one pass; one graph per kernel kind, see
-  ``_kernels.py``; on CPU the C kernel, ``_cpu_kernel.py``, for the kinds it
-  takes, bf16 stochastic rounding included (both kernels draw from a hash of
-  a per-parameter key and each element's index). A parameter's later steps
-  reuse its prepared call (``_prepared.py``: the kernel and its arguments,
-  after identity and pointer checks); a step's prepared calls of one C
-  kernel run as one C call, those of one inductor kernel under one entry of
-  its compile settings. Except parameters with
-  plain states and fewer than
-  :data:`SMALL_PLAIN_NUMEL` elements (biases, norms) of kinds the C kernel
-  does not take, which run eagerly: faster than a compiled kernel's call for
-  them, and nothing to compile.
-* ``compile=True`` and a DTensor parameter whose gradient and states share its
-  shape, mesh and (non-Partial) placements: the operator
-  ``qstate::fused_update``, which DTensor runs shard by shard with the same
-  kernels (``_fused_op.py``; no collectives). The op's rule checks the
-  layouts; a parameter it rejects (``LayoutMismatch``) takes the path below.
-  bf16 stochastic rounding takes this path where each shard is one range of
-  the flat parameter (``Shard(0)``/``Replicate``): the op's ``sr_keys`` are
-  the keys a plain parameter at that position would get, and the shards'
-  updates (the fused kernels, C and inductor alike, or op by op for small
-  plain states and shards the kernels do not take) draw by each element's
-  place in the full parameter, so the sharded update is the unsharded one on
-  any number of ranks (bit for bit where both run the same kernel).
-* otherwise (``compile=False``, stochastic rounding on DTensors elsewhere
-  (other placements, simulated ranks), other layouts, mixed devices,
-  views): the same math eagerly, op by op. A bf16 parameter rounds
-  stochastically with the fused kernels' draws (its key, each element's
-  index in the full parameter: ``qstate::flat_index_like``, which DTensor
-  computes shard by shard for any layout), so every path draws alike. States are read with out-of-place math (plain
-  results) and written back with ``state.copy_(new)``, which requantizes a
-  quantized state in place into its own layout. Nothing here touches a
-  state's inner tensors or a DTensor's local tensor, so each op dispatches
-  through DTensor to the local ``QuantizedState``.
+The path is chosen once per parameter, in :func:`_apply`:
+
+* ``compile=True``: the operator ``qstate::fused_update``, one call per step,
+  device, kind and kind of tensor (plain or DTensor) over lists of
+  parameters, gradients and states, as torch's fused AdamW calls
+  ``_fused_adamw_``. Its kernel (``_fused_op.py``) runs each parameter's
+  prepared call where it has a valid one (``_prepared.py``: the C or
+  inductor kernel and its arguments from an earlier step, after identity and
+  pointer checks; a step's prepared calls of one C kernel run as one C
+  call), else the fused kernel (decode -> update -> encode in one pass; on
+  CPU the C kernel, ``_cpu_kernel.py``, for the kinds it takes; otherwise
+  inductor's, one graph per kernel kind, ``_kernels.py``), else, for tensors
+  the fused kernels cannot run (views, mixed devices), the same math op by
+  op. Parameters with plain states and fewer than :data:`SMALL_PLAIN_NUMEL`
+  elements (biases, norms) of kinds the C kernel does not take are a call of
+  the op's eager kind (the math op by op with the eager scalars): faster
+  than a compiled kernel's call for them, and nothing to compile.
+  On DTensors, DTensor's rule for the op checks that each gradient and state
+  shares its parameter's shape, mesh and (non-Partial) placements and runs
+  the op on the shards (no collectives); a parameter it rejects
+  (``LayoutMismatch``, before any write) takes the path below. With bf16
+  stochastic rounding the op's ``sr_keys`` are the keys a plain parameter at
+  that position gets, and every kernel draws by each element's place in the
+  full parameter (each shard one range of it: ``Shard(0)``/``Replicate``), so
+  the sharded update is the unsharded one on any number of ranks.
+* otherwise (``compile=False``, tensors the op's kernels do not take,
+  layouts DTensor's rule rejects): the same math eagerly, op by op. A bf16
+  parameter rounds stochastically with the fused kernels' draws (its key,
+  each element's index in the full parameter: ``qstate::flat_index_like``,
+  which DTensor computes shard by shard for any layout), so every path draws
+  alike. States are read with out-of-place math (plain results) and written
+  back with ``state.copy_(new)``, which requantizes a quantized state in
+  place into its own layout. Nothing here touches a state's inner tensors or
+  a DTensor's local tensor, so each op dispatches through DTensor to the
+  local ``QuantizedState``.
 
 AMP: every function takes ``grad_scale``/``found_inf`` (torch's fused-optimizer
 protocol, see :func:`apply_update`).
@@ -66,13 +65,13 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .._state import QuantizedState
 from ..distributed import is_dtensor, is_quantized_state
 from .. import _splitmix64 as splitmix64
 from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
-from . import _cpu_kernel, _prepared
+from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update
-from ._kernels import KernelSpec, fusable, run_fused
-from ._prepared import PendingCalls
+from ._kernels import KernelSpec
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
@@ -195,76 +194,56 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
-    # DTensor updates, one qstate::fused_update call per (eager math?, step, device): their lists
+    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr): its lists
     batches: dict[tuple, _Batch] = {}
-    ready = PendingCalls()
-    keys = _cpu_kernel.ParamKeys()  # the C kernel's stochastic-rounding keys, by position in ``params``
+    keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
+        st = list(st)
         dtensor = is_dtensor(p)
-        # the fused kernel's call of an earlier step (C or inductor), if nothing it relies on changed:
-        # queued, one group per kernel
-        if compile and not dtensor:
-            call = _prepared.prepared((rule.name, static, sr), p, g, st)
-            if call is not None:
-                ready.add(call, p, g, step, call.scalars_of(scalars, step), key=keys(i) if call.sr else 0)
-                continue
-        ready.before(p)
-        if not compile:  # stochastic rounding draws as the fused kernels would (any layout)
-            update_eagerly(rule, flags, p, g, list(st), scalars.eager(step, p.device), sr, keys(i) if sr else None)
-        elif dtensor:
-            # DTensor runs the update on every shard (qstate::fused_update, no collectives): the
-            # compiled (or C) kernel, or for small plain states the C kernel does not take the
-            # eager math with the eager scalars (as for a plain tensor). The op's rule checks the
-            # layouts: of a batch it rejects (LayoutMismatch, before any write), the parameters it
-            # cannot run shard by shard run op by op and the others the op.
-            # With stochastic rounding, sr_keys (the keys a plain parameter gets): the shards' draws,
-            # fused kernel or op by op, follow each element's place in the full parameter, so the
-            # update is the unsharded one's on any number of ranks; where the rule cannot say each
-            # shard's place, the op-by-op path draws the same way (qstate::flat_index_like).
-            st = list(st)
-            if not (is_dtensor(g) and all(is_dtensor(x) for x in st)):
-                update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
-                continue
-            small, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
-            key = (small, step, p.device, sr)
-            batch = batches.get(key)
-            if batch is None:
-                batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, small)
-            batch.add(p, g, st, keys(i) if sr else None)
-        else:
-            _update_local(rule, flags, static, p, g, list(st), scalars, step, sr, lambda: keys(i))
-    ready.run()
+        # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
+        # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
+        # are not all of the types the op's kernels take
+        if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
+            continue
+        eager, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
+        key = (dtensor, eager, step, p.device, sr)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, eager)
+        batch.add(p, g, st, keys(i) if sr else None)
     for batch in batches.values():
         try:
             batch.run()
-        except LayoutMismatch:  # raised before anything was written: the op takes the others
+        except LayoutMismatch:  # raised by DTensor's rule before anything was written: the op takes the others
             for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.sr) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
 
 
-def _update_local(rule, flags, static, p, g, st, scalars, step, sr, key) -> None:
-    """One update of a plain parameter with ``compile=True`` (module docstring, "Paths"); ``key()``: its
-    stochastic-rounding key for the fused kernels."""
-    small, spec = _small_eager(rule, static, p, g, st, sr)
-    if not small and fusable(p, g, st):
-        spec = spec or KernelSpec.of(rule.name, static, p, st, sr)
-        if _cpu_kernel.supports(spec, p.device, g.dtype):  # run_fused's choice, with host scalars
-            _cpu_kernel.run(spec, p, g, st, scalars.host(step), key() if sr else 0)
-        else:
-            run_fused(spec, p, g, st, scalars.hyper(step, p.device), key() if sr else None)
-    else:
-        update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key() if sr else None)
+def _all_dtensors(g: Tensor, st: list[Tensor]) -> bool:
+    return is_dtensor(g) and all(is_dtensor(x) for x in st)
+
+
+def _kernel_types(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
+    """Whether the op's kernels take these tensors as they are: a plain parameter and gradient, plain
+    or :class:`~qstate.QuantizedState` states (they run the update op by op where the fused kernels
+    cannot: views, mixed devices)."""
+    return (type(p) in _PLAIN_TYPES and type(g) is Tensor
+            and all(type(x) is Tensor or type(x) is QuantizedState for x in st))
+
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 class _Batch:
-    """The DTensor parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
+    """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
 
-    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, small: bool):
+    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool):
         self.step, self.sr = step, sr
-        if small:
+        if eager:
             self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
         else:
