@@ -1,7 +1,7 @@
 """The ``qstate`` operator namespace (``torch.ops.qstate``).
 
-Schemas only: each op's kernels are registered by the module that owns its
-math, and its handlers by :mod:`qstate.ops` (QuantizedState) and
+Schemas and fake kernels (shapes and dtypes, for tracing): each op's kernels
+are registered by the module that owns its math, and its handlers by :mod:`qstate.ops` (QuantizedState) and
 :mod:`qstate.dtensor_rules` (DTensor), so those packages can name the op
 without importing the optimizers.
 
@@ -47,6 +47,22 @@ LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] s
 
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
 LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
+
+
+# fake (meta) kernels, for tracing and FakeTensorMode: shapes and dtypes only
+@torch.library.register_fake("qstate::fused_update", lib=LIBRARY)
+def _fused_update_fake(params, grads, states, hyper, kind, sr_keys=None, starts=None) -> None:
+    states_per_param(params, grads, states)
+
+
+@torch.library.register_fake("qstate::flat_index_like", lib=LIBRARY)
+def _flat_index_like_fake(self):
+    return torch.empty_like(self, dtype=torch.int64, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qstate::stochastic_round_bf16", lib=LIBRARY)
+def _stochastic_round_bf16_fake(x, draws):
+    return torch.empty_like(x, dtype=torch.bfloat16)
 
 fused_update = torch.ops.qstate.fused_update.default
 flat_index_like = torch.ops.qstate.flat_index_like.default

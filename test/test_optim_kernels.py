@@ -179,3 +179,33 @@ def test_step_counts_advance_as_an_in_place_add(dtype, start):
     for _ in range(3):
         ref += 1
         assert F._step_of(s) == int(ref.item()) and torch.equal(s, ref)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "8bit"])
+def test_fused_update_passes_opcheck(state_format):
+    """``qstate::fused_update`` as an AdamW step calls it (captured), checked by ``torch.library.opcheck``:
+    its schema's mutations (params and states written, grads and hyper not) and its fake kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from qstate._library import fused_update
+    from qstate.optim import AdamW
+
+    class Capture(TorchDispatchMode):
+        calls: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is fused_update:
+                self.calls.append((args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(70, 64)), torch.nn.Parameter(torch.randn(64))]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = AdamW(ps, lr=1e-2, state_format=state_format)
+    with Capture() as capture:
+        opt.step()
+    assert len(capture.calls) >= 1
+    for args, kwargs in capture.calls:
+        copied = tuple([t.clone() for t in a] if isinstance(a, list) else a for a in args)
+        torch.library.opcheck(fused_update, copied, kwargs, test_utils=("test_schema", "test_faketensor"))
