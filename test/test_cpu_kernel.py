@@ -63,7 +63,7 @@ def _adam_amsgrad(ps, gs, states, step):
 SR = "stochastic"
 #: plain states (``torch.zeros_like`` in this dtype) instead of a quantized format
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: shapes of the plain-state cases: above ``functional.SMALL_PLAIN_NUMEL``, so that with the C kernel
+#: shapes of the plain-state cases: above ``_step.SMALL_PLAIN_NUMEL``, so that with the C kernel
 #: off the inductor kernel runs them (smaller plain states would run the eager math)
 PLAIN_SHAPES = [(300, 301), (70_001,), (3, 130, 171)]
 

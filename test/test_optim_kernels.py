@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import qstate
 from qstate.formats import FORMATS
 from qstate.optim import cpu_kernel_enabled
+from qstate.optim import _rules, _step
 from qstate.optim import functional as F
 
 #: aligned rows (a whole number of blocks), ragged rows, odd 4-bit rows, one row, one element, 3-D
@@ -157,11 +158,11 @@ def test_a_state_map_written_in_place_is_no_longer_fusable():
 @pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-4, dtype=torch.float64), torch.tensor(0.1)])
 @pytest.mark.parametrize("unscale", [1.0, torch.tensor(0.25)])
 def test_host_scalars_are_the_kernel_vector_values(lr, unscale):
-    # the C kernel takes the scalars as floats (F._Scalars.host); converted to float32 they are
+    # the C kernel takes the scalars as floats (_step._Scalars.host); converted to float32 they are
     # exactly the vector the compiled kernels take, built on the device from tensor lr / unscale
-    rule = F.RULES["adam"]
+    rule = _rules.RULES["adam"]
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    s = F._Scalars(rule, group, lr, unscale)
+    s = _step._Scalars(rule, group, lr, unscale)
     for step in (1, 7, 1000):
         f = s.floats(step)
         parts = [torch.as_tensor(s.given_on(n, "cpu"), dtype=torch.float32).reshape(1) for n in ("lr", "grad_unscale")]
@@ -174,11 +175,11 @@ def test_host_scalars_are_the_kernel_vector_values(lr, unscale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
 @pytest.mark.parametrize("start", [0, 255, 2**24 - 1, 2**24, 2**53])
 def test_step_counts_advance_as_an_in_place_add(dtype, start):
-    # F._step_of advances a step tensor with a fill: the value `s += 1` gives, however it rounds
+    # _step._step_of advances a step tensor with a fill: the value `s += 1` gives, however it rounds
     s, ref = torch.tensor(start, dtype=dtype), torch.tensor(start, dtype=dtype)
     for _ in range(3):
         ref += 1
-        assert F._step_of(s) == int(ref.item()) and torch.equal(s, ref)
+        assert _step._step_of(s) == int(ref.item()) and torch.equal(s, ref)
 
 
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "8bit"])

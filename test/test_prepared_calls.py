@@ -70,7 +70,7 @@ class _Twin:
 @pytest.fixture(params=["c", "inductor"])
 def kernel(request) -> str:
     """The fused kernel the test's updates run: the C kernel, or (the C kernel off) the compiled inductor
-    kernel, which runs the small plain-state bias op by op (``functional.SMALL_PLAIN_NUMEL``)."""
+    kernel, which runs the small plain-state bias op by op (``_step.SMALL_PLAIN_NUMEL``)."""
     with cpu_kernel_enabled(request.param == "c"):
         yield request.param
 
@@ -397,7 +397,7 @@ def test_a_dropped_call_is_freed_without_a_garbage_collection():
 
 #: quantized states' parameters: padded and odd rows, 1-D, 3-D; the last is past the CPU's batch limit
 _QUANTIZED_SHAPES = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100), (1000,), (256, 256), (300, 300)]
-#: plain states' (smaller ones run eagerly: functional.SMALL_PLAIN_NUMEL)
+#: plain states' (smaller ones run eagerly: _step.SMALL_PLAIN_NUMEL)
 _PLAIN_SHAPES = [(256, 256), (65536,), (2, 128, 256), (300, 300)]
 _BATCH_CASES = {
     # (optimizer, its arguments, parameter dtype, shapes)
@@ -444,7 +444,7 @@ def test_inductor_calls_in_batches_equal_the_calls_one_by_one(case, monkeypatch)
             runs.append((ps, opt))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the batches compiled nothing
     # steps 2 and 3 reuse the calls; (300, 300) is past the CPU's batch limit and runs on its own (and
-    # a small quantized parameter may run eagerly, without a call: functional._small_eager)
+    # a small quantized parameter may run eagerly, without a call: _step._small_eager)
     calls = [c for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)]
     assert len(calls) >= len(shapes) - 1 and batched == [len(calls) - 1] * 2
     (ref_ps, ref), (ps, opt) = runs

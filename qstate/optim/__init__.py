@@ -1,13 +1,13 @@
 """Optimizers with quantized states: ``AdamW``, ``Adam``, ``Lion``, ``SGD`` and their functional forms.
 
-``qstate.optim.functional.{adam, adamw, lion, sgd}`` update caller-owned
-states; the classes are ``torch.optim.Optimizer`` subclasses sharing one base,
-:class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
-state_dict; :func:`convert_state_dict` rewrites a state dict for another
-policy or for ``torch.optim``). The update math of each lives once in
-``_rules.py`` and runs either as fused compiled kernels (``_kernels.py``:
-inductor, or on CPU a hand-written C kernel for quantized states,
-``_cpu_kernel.py``) or eagerly op by op.
+One file per optimizer (``adam.py``, ``lion.py``, ``sgd.py``) holds its update rule's math (an
+:class:`~._rules.UpdateRule`, registered by name), its ``torch.optim.Optimizer`` class and its
+functional form; ``qstate.optim.functional`` collects the functional forms, which update
+caller-owned states. The classes share one base, :class:`QuantizedOptimizer` (state policy, lr
+handling, stochastic rounding, state_dict; :func:`convert_state_dict` rewrites a state dict for
+another policy or for ``torch.optim``). Every step goes through ``_step.apply_update``: with
+``compile=True`` one ``qstate::fused_update`` call per device and kind, whose kernels (the C kernel
+on CPU, inductor's, or the rule's math op by op) are chosen in ``_fused_op.py``.
 """
 
 from . import functional
@@ -16,8 +16,9 @@ from ._base import PLAIN_FORMATS, POLICY_OPTIONS, STATE_FORMATS, QuantizedOptimi
 from ._convert import convert_state_dict
 from ._kernels import kernel_kinds
 from ._rounding import stochastic_round_bf16
-from ._rules import adam_bound, adam_update_bound
-from .optimizers import SGD, Adam, AdamW, Lion
+from .adam import Adam, AdamW, adam_bound, adam_update_bound
+from .lion import Lion
+from .sgd import SGD
 
 __all__ = [
     "AdamW", "Adam", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",

@@ -23,7 +23,7 @@ argument checks and static flags; everything else lives here:
   signed=..., block_size=..., dtype=float32, rounding=...)`` (DTensor
   parameters get DTensor states) or ``torch.zeros_like(p, dtype=...)``;
   ``state["step"]`` is a float32 CPU tensor as in ``torch.optim``.
-* **step**: :func:`qstate.optim.functional.apply_update` per group; ``lr`` may
+* **step**: :func:`qstate.optim._step.apply_update` per group; ``lr`` may
   be a float or a tensor on any device (converted once per step and device).
 * **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
   ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
@@ -89,7 +89,7 @@ from .._state import quantized_kind
 from ..amp import found_non_finite
 from ..distributed import local_of, state_kind, wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
-from . import functional as F
+from . import _step
 from ._rules import UpdateRule
 from ._state_kind import StateKind
 
@@ -386,7 +386,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for d, state in saved:
                 _set_rng(d, state)
 
-    @torch.compiler.disable  # as functional.apply_update: a caller's torch.compile skips the step
+    @torch.compiler.disable  # as _step.apply_update: a caller's torch.compile skips the step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:
@@ -406,7 +406,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
         if found_inf is None and self.skip_nonfinite:
             found_inf = found_non_finite(self)
-        if F.skip_step(found_inf):
+        if _step.skip_step(found_inf):
             return loss
         index = None
         work = []
@@ -437,7 +437,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
             with stream:
-                F.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
+                _step.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
                                lr=group["lr"], compile=self.compile,
                                stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
         return loss

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..distributed import is_quantized_state
 from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout
-from .optimizers import IMPLEMENTATION_OPTIONS
+from ._arguments import IMPLEMENTATION_OPTIONS
 
 __all__ = ["convert_state_dict"]
 

@@ -1,6 +1,6 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``functional.apply_update`` calls the op for its DTensor parameters, one call per
+``_step.apply_update`` calls the op for its DTensor parameters, one call per
 (device, kind) per step (with bf16 stochastic rounding where the shards run a fused kernel,
 with ``sr_keys``, see :mod:`qstate._library`). DTensor's rule for it
 (:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state shares its
@@ -33,7 +33,7 @@ from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
 from . import _cpu_kernel, _prepared
 from ._kernels import KernelSpec, fusable, run_fused
-from ._prepared import PendingCalls, PreparedUpdate
+from ._prepared import PendingCalls
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 

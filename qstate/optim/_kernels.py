@@ -51,7 +51,7 @@ per kind, about 5x faster than inductor's code for quantized states.
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; DTensor parameters reach it shard by shard through the operator
 ``qstate::fused_update`` (``_fused_op.py``); anything else runs the same math
-eagerly, op by op (see ``functional.py``).
+eagerly, op by op (see ``_step.py``).
 """
 
 from __future__ import annotations

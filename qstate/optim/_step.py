@@ -1,0 +1,309 @@
+"""The engine of every optimizer step: :func:`apply_update` of an :class:`~._rules.UpdateRule` over
+caller-owned states.
+
+The functional forms (``qstate.optim.functional``) and the optimizer classes call it;
+it updates ``params`` and their states in place, like ``torch.optim``'s functional API. States may be plain tensors (float32 or
+bfloat16), :class:`~qstate.QuantizedState` (build them with
+``qstate.zeros_like(p, fmt, signed=..., dtype=torch.float32)``; second
+moments unsigned; the optimizers give ``4bit`` first moments
+``rounding="stochastic"``) or DTensors over either. Each quantized state
+is written with its own rounding mode. Other optimizer libraries can
+call these with their own state tensors.
+
+Paths
+-----
+The path is chosen once per parameter, in :func:`_apply`:
+
+* ``compile=True``: the operator ``qstate::fused_update``, one call per step,
+  device, kind and kind of tensor (plain or DTensor) over lists of
+  parameters, gradients and states, as torch's fused AdamW calls
+  ``_fused_adamw_``. Its kernel (``_fused_op.py``) runs each parameter's
+  prepared call where it has a valid one (``_prepared.py``: the C or
+  inductor kernel and its arguments from an earlier step, after identity and
+  pointer checks; a step's prepared calls of one C kernel run as one C
+  call), else the fused kernel (decode -> update -> encode in one pass; on
+  CPU the C kernel, ``_cpu_kernel.py``, for the kinds it takes; otherwise
+  inductor's, one graph per kernel kind, ``_kernels.py``), else, for tensors
+  the fused kernels cannot run (views, mixed devices), the same math op by
+  op. Parameters with plain states and fewer than :data:`SMALL_PLAIN_NUMEL`
+  elements (biases, norms) of kinds the C kernel does not take are a call of
+  the op's eager kind (the math op by op with the eager scalars): faster
+  than a compiled kernel's call for them, and nothing to compile.
+  On DTensors, DTensor's rule for the op checks that each gradient and state
+  shares its parameter's shape, mesh and (non-Partial) placements and runs
+  the op on the shards (no collectives); a parameter it rejects
+  (``LayoutMismatch``, before any write) takes the path below. With bf16
+  stochastic rounding the op's ``sr_keys`` are the keys a plain parameter at
+  that position gets, and every kernel draws by each element's place in the
+  full parameter (each shard one range of it: ``Shard(0)``/``Replicate``), so
+  the sharded update is the unsharded one on any number of ranks.
+* otherwise (``compile=False``, tensors the op's kernels do not take,
+  layouts DTensor's rule rejects): the same math eagerly, op by op. A bf16
+  parameter rounds stochastically with the fused kernels' draws (its key,
+  each element's index in the full parameter: ``qstate::flat_index_like``,
+  which DTensor computes shard by shard for any layout), so every path draws
+  alike. States are read with out-of-place math (plain results) and written
+  back with ``state.copy_(new)``, which requantizes a quantized state in
+  place into its own layout. Nothing here touches a state's inner tensors or
+  a DTensor's local tensor, so each op dispatches through DTensor to the
+  local ``QuantizedState``.
+
+AMP: every function takes ``grad_scale``/``found_inf`` (torch's fused-optimizer
+protocol, see :func:`apply_update`).
+
+Scalars: ``lr`` may be a Python float or a tensor on any device; a tensor is
+converted once per call and device (``lr.to(param.device, float32)``), never
+mixed across devices. Step counts (``state_steps``) are 0-dim tensors,
+incremented in place as in ``torch.optim``'s functional API, or Python ints
+(the 1-based index of this step, left as is).
+"""
+
+from __future__ import annotations
+
+import array
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .._state import QuantizedState
+from ..distributed import is_dtensor, is_quantized_state
+from .. import _splitmix64 as splitmix64
+from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
+from . import _cpu_kernel
+from ._fused_op import call_key, eager_call, fused_kind, fused_update
+from ._kernels import KernelSpec
+from ._rules import UpdateRule
+from ._update import update_eagerly
+
+__all__ = ["SMALL_PLAIN_NUMEL", "apply_update", "check_lists", "skip_step", "unscale_factor"]
+
+Scalar = Union[float, Tensor]
+
+
+class _Scalars:
+    """Per-call cache of the rule's scalars: floats per step, tensors per (device, step).
+
+    ``lr`` and ``grad_unscale`` may be tensors on any device: each is converted once per
+    device (``.to(device, float32)``), so a tensor on the accelerator never meets an
+    offloaded CPU parameter in one op.
+    """
+
+    _CALLER = ("lr", "grad_unscale")
+
+    def __init__(self, rule: UpdateRule, group: dict, lr: Scalar, grad_unscale: Scalar = 1.0):
+        self.rule, self.group = rule, group
+        self.given = {"lr": lr, "grad_unscale": grad_unscale}
+        self._tensors = any(isinstance(v, Tensor) for v in self.given.values())
+        self._floats: dict[int, dict] = {}
+        self._on: dict[tuple, Tensor] = {}
+        self._hyper: dict[tuple, Tensor] = {}
+        self._host: dict[int, tuple[float, ...]] = {}
+
+    def floats(self, step: int) -> dict:
+        if step not in self._floats:
+            self._floats[step] = self.rule.scalars(self.group, step)
+        return self._floats[step]
+
+    def given_on(self, name: str, device: torch.device) -> Scalar:
+        """``lr`` / ``grad_unscale`` as given (a float) or as a float32 tensor on ``device``."""
+        value = self.given[name]
+        if not isinstance(value, Tensor):
+            return value
+        key = (name, device)
+        if key not in self._on:
+            self._on[key] = value.detach().to(device=device, dtype=torch.float32).reshape(())
+        return self._on[key]
+
+    def eager(self, step: int, device: torch.device) -> dict:
+        h = dict(self.floats(step))
+        h.update({n: self.given_on(n, device) for n in self._CALLER})
+        return h
+
+    def host(self, step: int) -> tuple[float, ...]:
+        """The scalars as Python floats that convert to :meth:`hyper`'s float32 values (the C
+        kernel's input: no tensors to build per step; a tensor ``lr`` is read once)."""
+        if step not in self._host:
+            f = self.floats(step)
+            given = [float(v.detach().to(torch.float32)) if isinstance(v, Tensor) else v
+                     for v in (self.given[n] for n in self._CALLER)]
+            self._host[step] = (*given, *(f[n] for n in self.rule.scalar_names[len(self._CALLER):]))
+        return self._host[step]
+
+    def hyper(self, step: int, device: torch.device) -> Tensor:
+        """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
+        key = (step, device)
+        hyper = self._hyper.get(key)
+        if hyper is not None:
+            return hyper
+        if device.type == "cpu" and not self._tensors:  # one op instead of five
+            hyper = torch.frombuffer(array.array("f", self.host(step)), dtype=torch.float32)
+        else:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
+            f = self.floats(step)
+            parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
+                     for n in self._CALLER]
+            rest = [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
+            parts.append(torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True))
+            hyper = torch.cat(parts)
+        self._hyper[key] = hyper
+        return hyper
+
+
+#: step-count dtypes that hold every integer below 2**24 exactly
+_EXACT_COUNTS = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
+
+
+def _step_of(s: Union[int, Tensor]) -> int:
+    if isinstance(s, Tensor):  # s += 1 as a read and a fill (cheaper than an add's dispatch), same value
+        step = int(s.item()) + 1
+        s.fill_(step)
+        # a count the dtype holds exactly is not read back (others round, as the add would)
+        return step if step < 2**24 and s.dtype in _EXACT_COUNTS else int(s.item())
+    return int(s)
+
+
+@torch.compiler.disable  # runs its own kernels; traced from a caller's torch.compile it is only graph breaks
+def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
+                 states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
+                 group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+    """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order).
+
+    ``grad_scale``/``found_inf`` follow torch's fused-optimizer AMP protocol: the gradients are
+    scaled by ``grad_scale`` (unscaled inside the update, never written), and a nonzero
+    ``found_inf`` (already reduced across ranks by the scaler) skips the whole call: parameters,
+    states and step counts stay bit-identical.
+    """
+    if skip_step(found_inf):
+        return
+    with torch.no_grad():
+        _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
+               1.0 if grad_scale is None else unscale_factor(grad_scale))
+
+
+def skip_step(found_inf: Optional[Tensor]) -> bool:
+    """Whether a gradient scaler's ``found_inf`` asks to skip this step (one host sync)."""
+    return found_inf is not None and bool(found_inf.detach().ne(0).any().item())
+
+
+def unscale_factor(grad_scale: Tensor) -> Tensor:
+    """``1 / grad_scale`` as ``torch.amp.GradScaler.unscale_`` computes it (reciprocal in float64)."""
+    return grad_scale.detach().double().reciprocal().float()
+
+
+def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
+           grad_unscale) -> None:
+    scalars = _Scalars(rule, group, lr, grad_unscale)
+    static = tuple(sorted(flags.items()))
+    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr): its lists
+    batches: dict[tuple, _Batch] = {}
+    keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
+    for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
+        step = _step_of(s)
+        sr = bool(stochastic_round) and p.dtype == torch.bfloat16
+        st = list(st)
+        dtensor = is_dtensor(p)
+        # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
+        # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
+        # are not all of the types the op's kernels take
+        if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
+            continue
+        eager, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
+        key = (dtensor, eager, step, p.device, sr)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, eager)
+        batch.add(p, g, st, keys(i) if sr else None)
+    for batch in batches.values():
+        try:
+            batch.run()
+        except LayoutMismatch:  # raised by DTensor's rule before anything was written: the op takes the others
+            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.sr) is not None):
+                update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
+            batch.run()
+
+
+def _all_dtensors(g: Tensor, st: list[Tensor]) -> bool:
+    return is_dtensor(g) and all(is_dtensor(x) for x in st)
+
+
+def _kernel_types(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
+    """Whether the op's kernels take these tensors as they are: a plain parameter and gradient, plain
+    or :class:`~qstate.QuantizedState` states (they run the update op by op where the fused kernels
+    cannot: views, mixed devices)."""
+    return (type(p) in _PLAIN_TYPES and type(g) is Tensor
+            and all(type(x) is Tensor or type(x) is QuantizedState for x in st))
+
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+class _Batch:
+    """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
+
+    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool):
+        self.step, self.sr = step, sr
+        if eager:
+            self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
+            self.kind = call_key(call)
+        else:
+            self.hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.states: list[Tensor] = []
+        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if ``sr``
+        self.keys: list[Optional[int]] = []
+
+    def add(self, p: Tensor, g: Tensor, states: list[Tensor], key: Optional[int] = None) -> None:
+        self.params.append(p)
+        self.grads.append(g)
+        self.states.extend(states)
+        self.keys.append(key)
+
+    def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor], Optional[int]]]:
+        """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them with
+        their keys."""
+        n = len(self.states) // len(self.params)
+        members = [(p, g, self.states[i * n:(i + 1) * n], key)
+                   for i, (p, g, key) in enumerate(zip(self.params, self.grads, self.keys))]
+        self.params, self.grads, self.states, self.keys, dropped = [], [], [], [], []
+        for p, g, st, key in members:
+            if which(p, g, st):
+                dropped.append((p, g, st, key))
+            else:
+                self.add(p, g, st, key)
+        return dropped
+
+    def run(self) -> None:
+        if self.params:
+            sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.sr else None
+            fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys)
+
+
+#: plain-state parameters below this size run the eager math even with ``compile=True``: measured
+#: on CPU, 0.05 ms per parameter eagerly vs 0.15 ms through a compiled kernel's call overhead at
+#: 4096 elements (even at 65536), and no kernel to compile for them. Kinds the C kernel takes
+#: (``_cpu_kernel.supports``: on CPU, float32/bfloat16 states) run it at every size: about 0.01 ms
+SMALL_PLAIN_NUMEL = 65536
+
+
+def _small_eager(rule: UpdateRule, static: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
+                 sr: bool) -> tuple[bool, Optional[KernelSpec]]:
+    """Whether ``p``'s update runs the eager math as a small one with plain states (unless the C kernel
+    takes its kind), and the kind when it was built to decide (for a DTensor: its shards')."""
+    if not _small_and_plain(p, states):
+        return False, None
+    spec = KernelSpec.of(rule.name, static, p, states, sr)
+    return not _cpu_kernel.supports(spec, p.device, g.dtype), spec
+
+
+def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
+    # numel() of a DTensor is global: the same choice on every rank and world size
+    return p.numel() < SMALL_PLAIN_NUMEL and not any(is_quantized_state(s) for s in states)
+
+
+def check_lists(what: str, **lists: Optional[Sequence]) -> None:
+    sizes = {k: len(v) for k, v in lists.items() if v is not None}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"{what}: expected lists of one length, got lengths {sizes}")
