@@ -1,6 +1,7 @@
-"""Optimizers with quantized states: ``AdamW``, ``Adam``, ``Lion``, ``SGD`` and their functional forms.
+"""Optimizers with quantized states: ``AdamW``, ``Adam``, ``AdEMAMix``, ``Lion``, ``SGD`` and their functional
+forms.
 
-One file per optimizer (``adam.py``, ``lion.py``, ``sgd.py``) holds its update rule's math (an
+One file per optimizer (``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``) holds its update rule's math (an
 :class:`~._rules.UpdateRule`, registered by name), its ``torch.optim.Optimizer`` class and its
 functional form; ``qstate.optim.functional`` collects the functional forms, which update
 caller-owned states. The classes share one base, :class:`QuantizedOptimizer` (state policy, lr
@@ -17,11 +18,12 @@ from ._convert import convert_state_dict
 from ._kernels import kernel_kinds
 from ._rounding import stochastic_round_bf16
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
+from .ademamix import AdEMAMix
 from .lion import Lion
 from .sgd import SGD
 
 __all__ = [
-    "AdamW", "Adam", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",
+    "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",
     "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled", "stochastic_round_bf16",
     "adam_bound", "adam_update_bound",
 ]
