@@ -35,7 +35,10 @@ Storage rules and invariants:
   values, so a sharded step equals the unsharded one.
 * The update of a parameter depends only on its gradient, its buffer and the
   hyperparameters: stochastic rounding of quantized states is a function of
-  each value (``qstate/formats/_rounding.py``), never of a random stream.
+  each value's bits (``qstate/formats/_rounding.py``), never of a random
+  stream. So equal gradients give equal bits on any number of ranks, and a
+  gradient that differs in its last bits (another summation order) redraws
+  the rounding of the values it changes.
 """
 
 from __future__ import annotations
