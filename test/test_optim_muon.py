@@ -14,7 +14,8 @@ What is exact, and why:
   and states (codes and scales) equal the unsharded run's bit for bit (the gradient of the
   unsharded run reproduces gloo's average, as in ``test_optim_fsdp.py``). Each Muon parameter
   costs one all-gather per step, AdamW parameters none, and no step after the first calls
-  ``DTensor.to_local``/``from_local``.
+  ``DTensor.to_local``/``from_local``; ``torch.distributed.checkpoint``'s optimizer state dict
+  resumes the sharded run bit for bit.
 """
 
 from __future__ import annotations
@@ -336,6 +337,20 @@ def test_load_state_dict_checks_before_changing_anything():
         opt.load_state_dict(flipped)
 
 
+def test_convert_state_dict_between_policies():
+    params = _mixed_params()
+    opt = Muon(params, state_format="8bit", min_quantize_numel=0, compile=False)
+    _train(opt, params, 2)
+    fp32 = Muon(params, state_format="fp32", compile=False)
+    fp32.load_state_dict(qstate.optim.convert_state_dict(opt.state_dict(), fp32))
+    for p in params:
+        for key, value in opt.state[p].items():
+            got = fp32.state[p][key]
+            assert type(got) is torch.Tensor and got.dtype == torch.float32, key
+            want = value.dequantize() if isinstance(value, qstate.QuantizedState) else value
+            assert torch.equal(got, want), key
+
+
 # ------------------------------------------------------------------ FSDP2
 FSDP_CONFIGS = [("fp32", True), ("8bit", True), ("4bit", True), ("fp8", False), ("4bit", False)]
 FSDP_STEPS = 3
@@ -379,6 +394,37 @@ def fsdp_body(rank: int, world_size: int, configs) -> None:
             for key, value in ref_opt.state[q].items():
                 quantized += _assert_equal(opt.state[p][key], value, f"{what}: param {name} state {key!r}")
         assert quantized == (0 if fmt == "fp32" else 3), f"{what}: {quantized} quantized states"
+        if fmt == "4bit" and nesterov:
+            _check_distributed_resume(model, opt, fmt, what)
+
+
+def _check_distributed_resume(model: nn.Module, opt: Muon, fmt: str, what: str) -> None:
+    """torch.distributed.checkpoint's optimizer state dict of a sharded Muon resumes it bit for bit."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt))  # a copy: loading keeps the tensors it gets
+    resumed = _model(torch.float32)
+    for layer in resumed:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(resumed)
+    with torch.no_grad():
+        for p, q in zip(resumed.parameters(), model.parameters()):
+            p.copy_(q)
+    resumed_opt = _fsdp_optimizer(resumed.parameters(), fmt, True)
+    set_optimizer_state_dict(resumed, resumed_opt, saved)
+    for step in range(FSDP_STEPS, FSDP_STEPS + 2):
+        for m, o in ((model, opt), (resumed, resumed_opt)):
+            _loss(m(_batch(step))).backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), resumed.parameters()):
+        _assert_equal(q.detach(), p.detach(), f"{what}, resumed: param {name}")
+        for key, value in opt.state[p].items():
+            _assert_equal(resumed_opt.state[q][key], value, f"{what}, resumed: param {name} state {key!r}")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
