@@ -181,6 +181,44 @@ def test_least_squares_converges(fmt):
     assert losses[-1] < 1.5 * ref[-1], f"{fmt}: final loss {losses[-1]:.3g}, fp32 states {ref[-1]:.3g}"
 
 
+def test_tensor_lr_bf16_params_and_named_parameters():
+    params = _params([(8, 40), (40, 8)])
+    ref = _clone(params)
+    opt = Muon(params, lr=torch.tensor(2.0**-6), state_format="8bit", min_quantize_numel=0)
+    ref_opt = Muon(ref, lr=2.0**-6, state_format="8bit", min_quantize_numel=0)
+    _train(opt, params, 2)
+    _train(ref_opt, ref, 2)
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+    model = nn.Sequential(nn.Linear(40, 8)).bfloat16()
+    opt = Muon(model.named_parameters(), lr=0.02, state_format="4bit", min_quantize_numel=0)
+    assert [g["param_names"] for g in opt.param_groups] == [["0.weight"], ["0.bias"]]
+    before = model[0].weight.detach().clone()
+    _loss(model(torch.randn(3, 40).bfloat16())).backward()
+    opt.step()
+    assert model[0].weight.dtype == torch.bfloat16 and not torch.equal(model[0].weight, before)
+    assert opt.state[model[0].weight]["momentum_buffer"].format == "4bit"
+
+
+def test_grad_scaler_unscales_for_muon():
+    params, ref = _params(), _params()
+    opt = Muon(params, state_format="8bit", min_quantize_numel=0)
+    ref_opt = Muon(ref, state_format="8bit", min_quantize_numel=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(2):
+        scaler.scale(torch.ones(()))  # the scaler's scale exists from the first scale() on
+        for p, q, g in zip(params, ref, _grads(params, step)):
+            p.grad, q.grad = g * 2.0**10, g.clone()
+        if step == 1:
+            params[0].grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        if step == 0:
+            ref_opt.step()
+    for p, q in zip(params, ref):  # the second step, with an inf, was skipped
+        assert torch.equal(p, q)
+
+
 # ------------------------------------------------------------------ routing to AdamW
 def _mixed_params(seed=0) -> list[nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
