@@ -1,14 +1,16 @@
-"""Optimizers with quantized states: ``AdamW``, ``Adam``, ``AdEMAMix``, ``Lion``, ``SGD`` and their functional
-forms.
+"""Optimizers with quantized states: ``AdamW``, ``Adam``, ``AdEMAMix``, ``Lion``, ``SGD``, ``Muon`` and their
+functional forms.
 
-One file per optimizer (``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``) holds its update rule's math (an
-:class:`~._rules.UpdateRule`, registered by name), its ``torch.optim.Optimizer`` class and its
-functional form; ``qstate.optim.functional`` collects the functional forms, which update
-caller-owned states. The classes share one base, :class:`QuantizedOptimizer` (state policy, lr
-handling, stochastic rounding, state_dict; :func:`convert_state_dict` rewrites a state dict for
-another policy or for ``torch.optim``). Every step goes through ``_step.apply_update``: with
-``compile=True`` one ``qstate::fused_update`` call per device and kind, whose kernels (the C kernel
-on CPU, inductor's, or the rule's math op by op) are chosen in ``_fused_op.py``.
+One file per optimizer (``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``, ``muon.py``) holds its
+update rule's math, its ``torch.optim.Optimizer`` class and its functional form;
+``qstate.optim.functional`` collects the functional forms, which update caller-owned states. The
+classes share one base, :class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
+state_dict; :func:`convert_state_dict` rewrites a state dict for another policy or for
+``torch.optim``). Elementwise rules (an :class:`~._rules.UpdateRule`, registered by name) step
+through ``_step.apply_update``: with ``compile=True`` one ``qstate::fused_update`` call per device
+and kind, whose kernels (the C kernel on CPU, inductor's, or the rule's math op by op) are chosen in
+``_fused_op.py``. Muon's update is not elementwise (Newton-Schulz of the whole matrix): it runs op
+by op on the parameter, a DTensor included, and its other parameters step as AdamW.
 """
 
 from . import functional
@@ -20,10 +22,11 @@ from ._rounding import stochastic_round_bf16
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
 from .ademamix import AdEMAMix
 from .lion import Lion
+from .muon import Muon
 from .sgd import SGD
 
 __all__ = [
-    "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "QuantizedOptimizer", "functional", "STATE_FORMATS", "PLAIN_FORMATS",
-    "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled", "stochastic_round_bf16",
-    "adam_bound", "adam_update_bound",
+    "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
+    "PLAIN_FORMATS", "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled",
+    "stochastic_round_bf16", "adam_bound", "adam_update_bound",
 ]

@@ -1,4 +1,5 @@
-"""Functional optimizer steps over caller-owned states: ``adam``, ``adamw``, ``ademamix``, ``lion``, ``sgd``.
+"""Functional optimizer steps over caller-owned states: ``adam``, ``adamw``, ``ademamix``, ``lion``, ``sgd``,
+``muon``.
 
 Each function updates ``params`` and their states in place, like ``torch.optim``'s functional
 API. States may be plain tensors (float32 or bfloat16), :class:`~qstate.QuantizedState` (build them
@@ -7,13 +8,14 @@ optimizers give ``4bit`` first moments ``rounding="stochastic"``) or DTensors ov
 quantized state is written with its own rounding mode. Other optimizer libraries can call these
 with their own state tensors, or :func:`apply_update` with their own
 :class:`~qstate.optim._rules.UpdateRule`. Each function lives with its optimizer's rule and class
-(``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``); the paths an update takes are described in ``_step.py``.
+(``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``, ``muon.py``); the paths an update takes are described in ``_step.py``.
 """
 
 from ._step import apply_update
 from .adam import adam, adamw
 from .ademamix import ademamix
 from .lion import lion
+from .muon import muon
 from .sgd import sgd
 
-__all__ = ["adam", "adamw", "ademamix", "apply_update", "lion", "sgd"]
+__all__ = ["adam", "adamw", "ademamix", "apply_update", "lion", "muon", "sgd"]

@@ -1,0 +1,382 @@
+"""Muon with a quantized momentum buffer: the rule, :class:`Muon` and its functional form :func:`muon`.
+
+Muon (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural
+networks") updates a 2-D parameter with the orthogonalized momentum of its
+gradient. Its update is not elementwise (Newton-Schulz needs the whole
+matrix), so it lives here, outside the elementwise rules of ``_rules.py``,
+and always runs op by op.
+
+Semantics are ``torch.optim.Muon``'s (``torch/optim/_muon.py``), step by step:
+
+* ``B <- lerp(B, g, 1 - momentum)``;
+* ``U <- lerp(g, B, momentum)`` with ``nesterov``, else ``U <- B``;
+* ``O <- NS(U)``: ``ns_steps`` quintic Newton-Schulz iterations with
+  ``ns_coefficients`` in bfloat16, on the transpose when the matrix has more
+  rows than columns, after dividing by ``max(||U||_F, eps)``;
+* ``p <- p * (1 - lr * weight_decay)`` (decoupled weight decay with the
+  unadjusted ``lr``), then ``p <- p - adjust_lr(lr, shape) * O``.
+
+Storage rules and invariants:
+
+* The momentum buffer is a state of the optimizer's policy (``state_format``,
+  ``block_size``, ``state_rounding``, ``min_quantize_numel``; see ``_base.py``):
+  a signed :class:`~qstate.QuantizedState` (or a DTensor over one), or a plain
+  float32/bfloat16 tensor. The momentum is computed in float32 from the stored
+  buffer, the update reads that float32 value, and the buffer stores it with
+  ``copy_`` (requantized in its own layout and rounding). With float32 states
+  and float32 parameters every op is ``torch.optim.Muon``'s, so the results
+  are its results.
+* DTensor parameters (FSDP2) stay DTensors: the momentum is updated shard by
+  shard, the update matrix is cast to bfloat16 and redistributed to
+  ``Replicate()`` (one all-gather per parameter and step), orthogonalized
+  (matmuls of replicated DTensors run locally), and redistributed back to the
+  parameter's placements (a local slice). Uneven shards work as in any
+  redistribution. Every rank computes the same full matrix from the same
+  values, so a sharded step equals the unsharded one.
+* The update of a parameter depends only on its gradient, its buffer and the
+  hyperparameters: stochastic rounding of quantized states is a function of
+  each value's bits (``qstate/formats/_rounding.py``), never of a random
+  stream. So equal gradients give equal bits on any number of ranks, and a
+  gradient that differs in its last bits (another summation order) redraws
+  the rounding of the values it changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from ..distributed import is_dtensor
+from ._base import QuantizedOptimizer
+from . import _step
+from ._arguments import check_betas, check_lr, check_non_negative
+from ._rules import RULES, StateSpec
+
+__all__ = ["Muon", "muon", "zeropower_via_newtonschulz", "adjust_lr", "ADJUST_LR_FNS"]
+
+#: torch.optim.Muon's defaults (Keller Jordan's Newton-Schulz coefficients)
+EPS = 1e-7
+DEFAULT_A = 3.4445
+DEFAULT_B = -4.7750
+DEFAULT_C = 2.0315
+DEFAULT_NS_STEPS = 5
+#: accepted ``adjust_lr_fn`` values besides None (which means "original")
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral_unclamped")
+
+_LR = Union[float, Tensor]
+
+
+# ---------------------------------------------------------------- the rule's math
+def zeropower_via_newtonschulz(update: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                               eps: float) -> Tensor:
+    """Orthogonalize a 2-D ``update`` by ``ns_steps`` quintic Newton-Schulz iterations, in bfloat16.
+
+    The ops of ``torch.optim.Muon`` in its order, so the bits are its bits. ``update`` may be a
+    replicated DTensor (each rank runs the iteration locally on the whole matrix). Returns a new
+    bfloat16 tensor; ``update`` is not modified.
+    """
+    if ns_steps >= 100:
+        raise ValueError(f"Muon: ns_steps must be less than 100, got {ns_steps}")
+    if update.ndim != 2:
+        raise ValueError(f"Muon: Newton-Schulz takes a 2-D matrix, got shape {tuple(update.shape)}")
+    if len(ns_coefficients) != 3:
+        raise ValueError(f"Muon: ns_coefficients must be three values (a, b, c), got {tuple(ns_coefficients)}")
+    a, b, c = ns_coefficients
+    x = update.bfloat16()
+    if update.size(0) > update.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    if update.size(0) > update.size(1):
+        x = x.T
+    return x
+
+
+def adjust_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """The learning rate of the orthogonalized update of a ``shape`` (``A x B``) parameter.
+
+    ``None``/``"original"``: ``lr * sqrt(max(1, A / B))`` (Keller Jordan's); ``"match_rms_adamw"``:
+    ``lr * 0.2 * sqrt(max(A, B))`` (Moonshot's, to reuse AdamW's lr and weight decay);
+    ``"spectral_unclamped"``: ``lr * sqrt(A / B)`` (Bernstein's).
+    """
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    elif adjust_lr_fn == "spectral_unclamped":
+        ratio = math.sqrt(rows / cols)
+    else:
+        raise ValueError(f"Muon: adjust_lr_fn must be None or one of {list(ADJUST_LR_FNS)}, got {adjust_lr_fn!r}")
+    return lr * ratio
+
+
+def _orthogonalize(update: Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                   eps: float) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` of ``update``; a DTensor is gathered whole (in bfloat16, the
+    iteration's dtype: the same values in half the bytes), orthogonalized and resharded like it."""
+    if not is_dtensor(update):
+        return zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+    from torch.distributed.tensor import Replicate
+
+    mesh, placements = update.device_mesh, update.placements
+    whole = update.bfloat16().redistribute(mesh, [Replicate()] * mesh.ndim)
+    return zeropower_via_newtonschulz(whole, ns_coefficients, ns_steps, eps).redistribute(mesh, placements)
+
+
+def muon(params: Sequence[Tensor], grads: Sequence[Tensor], muon_momentum_bufs: Sequence[Tensor], *,
+         foreach: Optional[bool] = None, lr: _LR, weight_decay: float, momentum: float, nesterov: bool,
+         ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float, adjust_lr_fn: Optional[str],
+         has_complex: bool = False) -> None:
+    """Functional Muon (``torch.optim._muon.muon``'s arguments): update ``params`` and their buffers in place.
+
+    ``muon_momentum_bufs[i]`` is ``params[i]``'s momentum: a plain tensor, a signed
+    :class:`~qstate.QuantizedState` (``qstate.zeros_like(p, fmt, dtype=torch.float32)``), or a
+    DTensor over either with the parameter's placements. Parameters, gradients and buffers
+    are 2-D; everything is checked before anything is written. ``lr`` may be a one-element
+    tensor (read once on the host).
+    """
+    if foreach:
+        raise RuntimeError("Muon: foreach=True is not supported; Muon updates one matrix at a time")
+    if has_complex:
+        raise ValueError("Muon: complex parameters are not supported")
+    if not len(params) == len(grads) == len(muon_momentum_bufs):
+        raise ValueError(f"muon: expected as many grads and buffers as params, got {len(params)} params, "
+                         f"{len(grads)} grads, {len(muon_momentum_bufs)} buffers")
+    for i, (p, g, buf) in enumerate(zip(params, grads, muon_momentum_bufs)):
+        for what, t in (("gradient", g), ("momentum buffer", buf)):
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"muon: param {i} (shape {tuple(p.shape)}): expected a {what} of its shape, "
+                                 f"got {tuple(t.shape)}")
+        if p.ndim != 2:
+            raise ValueError(f"muon: param {i}: Muon updates 2-D parameters, got shape {tuple(p.shape)}")
+    lr = float(lr) if isinstance(lr, Tensor) else lr
+    for p, g, buf in zip(params, grads, muon_momentum_bufs):
+        g32 = g if g.dtype == torch.float32 else g.float()
+        readable = buf if buf.dtype == torch.float32 else buf.float()  # a quantized state reads as float32
+        new_buf = readable.lerp(g32, 1 - momentum)
+        update = g32.lerp(new_buf, momentum) if nesterov else new_buf
+        buf.copy_(new_buf)
+        update = _orthogonalize(update, ns_coefficients, ns_steps, eps)
+        p.mul_(1 - lr * weight_decay)
+        p.add_(update, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
+
+
+# ---------------------------------------------------------------- the optimizer
+class _MuonStates:
+    """What :class:`QuantizedOptimizer` asks of a rule: a group's states, from its flags.
+
+    Muon groups keep a signed ``momentum_buffer``; AdamW groups keep qstate's AdamW states.
+    """
+
+    name = "muon"
+
+    @staticmethod
+    def states(flags: dict) -> tuple[StateSpec, ...]:
+        if flags.get("muon"):
+            return (StateSpec("momentum_buffer", True),)
+        return RULES["adam"].states(flags)
+
+
+#: the static flags of an AdamW group: exactly ``qstate.optim.AdamW``'s (its kernels, its states)
+_ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "decoupled": True}
+#: options of the AdamW groups, given to :class:`Muon` as ``adamw_<name>``
+_ADAMW_OPTIONS = ("lr", "betas", "eps", "weight_decay")
+
+
+class Muon(QuantizedOptimizer):
+    r"""Muon with a quantized momentum buffer (``torch.optim.Muon`` arguments and semantics), and
+    qstate's AdamW for the parameters Muon does not take.
+
+    Which parameters Muon updates: a param group's ``use_muon`` says it (``True``: Muon, every
+    parameter must be 2-D; ``False``: AdamW). A group that does not say is split in two: its 2-D
+    parameters form a Muon group, its other parameters (biases, norms' weights: any non-2-D
+    tensor) an AdamW group right after it. Embeddings and output heads are 2-D: pass them in a
+    ``use_muon=False`` group to give them AdamW, as Muon's authors do.
+
+    An AdamW group runs ``qstate.optim.AdamW``'s update (same states, kernels and results) with
+    the group's ``lr``, ``betas``, ``eps`` and ``weight_decay``; a split group's AdamW half takes
+    them from the group's ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` and
+    ``adamw_weight_decay`` entries if present, else from the arguments of the same names (so a
+    ``lr_scheduler`` scales both halves' ``lr``). Muon's hyperparameters are ignored in AdamW
+    groups and AdamW's in Muon groups.
+
+    Args (as ``torch.optim.Muon``):
+        params: parameters or param groups (see above).
+        lr (float or Tensor): learning rate of Muon groups (default: 1e-3).
+        weight_decay (float): decoupled weight decay of Muon groups (default: 0.1).
+        momentum (float): momentum factor (default: 0.95).
+        nesterov (bool): Nesterov momentum (default: True).
+        ns_coefficients (tuple of three floats): Newton-Schulz coefficients ``(a, b, c)``.
+        eps (float): lower bound of the norm the update is divided by (default: 1e-7).
+        ns_steps (int): Newton-Schulz iterations, less than 100 (default: 5).
+        adjust_lr_fn (str or None): ``None``/``"original"``, ``"match_rms_adamw"`` or
+            ``"spectral_unclamped"`` (see :func:`adjust_lr`).
+
+    Keyword-only (qstate):
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups' defaults
+            (``qstate.optim.AdamW``'s: 1e-3, (0.9, 0.999), 1e-8, 1e-2).
+        state_format, block_size, state_rounding, min_quantize_numel: the state policy of
+            ``qstate.optim.AdamW`` (``_base.py``), for Muon's momentum buffers and AdamW's
+            moments alike. Momentum buffers are signed states: ``4bit`` ones round
+            stochastically unless ``state_rounding`` says otherwise.
+        compile (bool): AdamW groups run fused compiled kernels (True) or op by op (False), as
+            ``qstate.optim.AdamW``'s ``compile``; Muon groups always run op by op.
+
+    State: each parameter keeps ``step`` (a float32 CPU tensor) and ``momentum_buffer`` (Muon)
+    or ``exp_avg``/``exp_avg_sq`` (AdamW). ``state_dict()``/``load_state_dict()`` keep quantized
+    states as they are and check a loaded state dict against the optimizer's policy and each
+    group's ``use_muon`` before changing anything. Gradients are read as they are: with a
+    ``GradScaler`` the scaler unscales them first (``_step_supports_amp_scaling`` is False).
+    """
+
+    rule = _MuonStates()
+    _step_supports_amp_scaling = False
+
+    def __init__(self, params: Iterable, lr: _LR = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                 eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None, *,
+                 adamw_lr: _LR = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 1e-2, state_format: str = "8bit", block_size: Optional[int] = None,
+                 state_rounding: Optional[str] = None, min_quantize_numel: int = 4096, compile: bool = True):
+        #: the AdamW groups' defaults (read by add_param_group, also after construction)
+        self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(adamw_betas), "eps": adamw_eps,
+                                "weight_decay": adamw_weight_decay}
+        _check_adamw_group("Muon (adamw_ arguments)", self._adamw_defaults)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        _check_muon_group(defaults)
+        # seed 0: the seed keys bf16 stochastic rounding only, which Muon does not offer
+        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
+                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=False, compile=compile,
+                         seed=0, state_rounding=state_rounding)
+
+    # ------------------------------------------------------------------ groups
+    def add_param_group(self, param_group: dict) -> None:
+        """Add ``param_group`` (split by ``use_muon`` as the class documents); on any error raise and
+        leave the optimizer's groups as they were."""
+        group = dict(param_group)
+        params = group["params"]
+        if isinstance(params, set):
+            raise TypeError("Muon: optimizer parameters need to be organized in ordered collections, but the "
+                            "ordering of tensors in sets will change between runs; use a list instead")
+        params = [params] if isinstance(params, Tensor) else list(params)
+        adamw = {k: group.pop(f"adamw_{k}", self._adamw_defaults[k]) for k in _ADAMW_OPTIONS}
+        use_muon = group.pop("use_muon", None)
+        if use_muon is None:
+            matrices = [p for p in params if _tensor_of(p).ndim == 2]
+            others = [p for p in params if _tensor_of(p).ndim != 2]
+            parts = [(True, matrices, {}), (False, others, adamw)]
+            parts = [part for part in parts if part[1]] or [(True, params, {})]
+        elif isinstance(use_muon, bool):
+            parts = [(use_muon, params, {} if use_muon else {k: group.get(k, v) for k, v in adamw.items()})]
+        else:
+            raise TypeError(f"Muon: use_muon must be a bool, got {use_muon!r}")
+        first_group, first_param = len(self.param_groups), self._n_params
+        try:
+            for is_muon, part, options in parts:
+                if is_muon:
+                    for i, p in enumerate(part):
+                        if _tensor_of(p).ndim != 2:
+                            raise ValueError(
+                                f"{self._describe(self._n_params + i, _tensor_of(p))}: a Muon group (use_muon=True) "
+                                f"takes 2-D parameters, got {_tensor_of(p).ndim}-D; give it use_muon=False "
+                                "(AdamW), or leave use_muon unset to route non-2-D parameters to AdamW")
+                super().add_param_group({**group, **options, "params": part, "use_muon": is_muon})
+        except BaseException:
+            del self.param_groups[first_group:]
+            self._n_params = first_param
+            raise
+
+    def _check_group(self, group: dict) -> None:
+        if group["use_muon"]:
+            _check_muon_group(group)
+        else:
+            _check_adamw_group("Muon (AdamW group)", group)
+
+    def _flags(self, group: dict) -> dict:
+        return {"muon": True} if group["use_muon"] else dict(_ADAMW_FLAGS)
+
+    def _check_loaded(self, state_dict: dict) -> None:
+        for gi, (saved, current) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
+            if saved.get("use_muon") != current["use_muon"]:
+                raise ValueError(f"Muon: param group {gi}, option 'use_muon': expected {current['use_muon']!r} "
+                                 f"(the optimizer's), the state dict has {saved.get('use_muon')!r}")
+        super()._check_loaded(state_dict)
+
+    # ------------------------------------------------------------------ step
+    @torch.compiler.disable
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One step: Muon groups by :func:`muon`, AdamW groups by ``qstate.optim.AdamW``'s update.
+
+        Every gradient is checked and every missing state created before any parameter or
+        state is written.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = self._param_index()
+        work = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            sparse = [p for p in params if p.grad.is_sparse]
+            if sparse:
+                raise TypeError(f"{self._describe(index[sparse[0]], sparse[0])}: sparse gradients are not supported")
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(self._new_states(p, group, index[p]))
+            names = [s.name for s in self.rule.states(self._flags(group))]
+            states = [[self.state[p][n] for n in names] for p in params]
+            work.append((group, params, [p.grad for p in params], states, [self.state[p]["step"] for p in params]))
+        for group, params, grads, states, steps in work:
+            if not params:
+                continue
+            if group["use_muon"]:
+                muon(params, grads, [s[0] for s in states], lr=group["lr"], weight_decay=group["weight_decay"],
+                     momentum=group["momentum"], nesterov=group["nesterov"],
+                     ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
+                     adjust_lr_fn=group["adjust_lr_fn"])
+                for s in steps:
+                    s += 1
+            else:
+                _step.apply_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
+                               lr=group["lr"], compile=self.compile)
+        return loss
+
+
+def _tensor_of(p: Any) -> Tensor:
+    """The tensor of a params entry (``named_parameters`` gives ``(name, tensor)`` pairs)."""
+    return p[1] if isinstance(p, tuple) else p
+
+
+def _check_muon_group(group: dict) -> None:
+    """torch.optim.Muon's checks, plus the Newton-Schulz arguments' (torch checks those at the step)."""
+    check_lr("Muon", group["lr"])
+    check_non_negative("Muon", "momentum value", group["momentum"])
+    check_non_negative("Muon", "weight_decay value", group["weight_decay"])
+    fn = group["adjust_lr_fn"]
+    if fn is not None and fn not in ADJUST_LR_FNS:
+        raise ValueError(f"Muon: adjust_lr_fn must be None or one of {list(ADJUST_LR_FNS)}, got {fn!r}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+        raise ValueError(f"Muon: ns_steps must be an int in [0, 100), got {steps!r}")
+    if len(group["ns_coefficients"]) != 3:
+        raise ValueError(f"Muon: ns_coefficients must be three values (a, b, c), got {group['ns_coefficients']!r}")
+
+
+def _check_adamw_group(name: str, group: dict) -> None:
+    """``qstate.optim.AdamW``'s checks of ``lr``, ``betas``, ``eps`` and ``weight_decay``."""
+    check_lr(name, group["lr"])
+    check_betas(name, group["betas"])
+    check_non_negative(name, "epsilon value", group["eps"])
+    check_non_negative(name, "weight_decay value", group["weight_decay"])
