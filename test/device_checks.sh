@@ -22,7 +22,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), $(nproc) CPUs," \
      "$(grep -o 'avx512vbmi\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 half=$(( $(nproc) / 2 ))
-( taskset -c "$half-$(( $(nproc) - 1 ))" timeout 240 python3 -m pytest test/test_cpu_kernel.py -q -p no:randomly \
+( taskset -c "$half-$(( $(nproc) - 1 ))" timeout 240 python3 -m pytest test/kernels/test_cpu_kernel.py -q -p no:randomly \
       -k builds_without_vector_paths > "$out/vector_paths.log" 2>&1
   echo "vector-path builds rc=$?" >> "$out/vector_paths.log" ) &
 echo "== cuda_checks"

@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent(
 
 def _run(tmp: str, cache_dir: str, formats: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     script = os.path.join(tmp, "train.py")  # a file: spawned ranks import their function from it
     with open(script, "w") as f:

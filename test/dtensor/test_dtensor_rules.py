@@ -976,7 +976,7 @@ def test_checks_recognize_the_installed_fixes() -> None:
     assert still == [], still
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 #: a copy of PyTorch's DTensor test files; by default the shared folder beside the repository

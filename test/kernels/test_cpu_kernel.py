@@ -745,7 +745,7 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     import pathlib
     import sys
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernel_ab.py"
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kernel_ab.py"
     source = tmp_path / "kernel.c"
     args = ["--format", "8bit", "--numel", "64K"]
     subprocess.run([sys.executable, str(script), "--dump", str(source), *args], check=True, capture_output=True)
