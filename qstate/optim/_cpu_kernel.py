@@ -72,6 +72,7 @@ from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
 from ._prepared import PreparedUpdate
+from ._rules import RULES
 from ._state_kind import StateKind
 
 __all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
@@ -275,6 +276,8 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     flags = dict(spec.flags)
     lines = [f"#define {m} {int(m == _RULE_MACROS[spec.rule])}" for m in _RULE_MACROS.values()]
     lines += [f"#define {name.upper()} {int(bool(flags.get(name, False)))}" for name in _FLAG_MACROS]
+    # the rule's scalars by name: their indexes in the hyper vector
+    lines += [f"#define H_{name.upper()} {i}" for i, name in enumerate(RULES[spec.rule].scalar_names)]
     lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
     lines.append(f"#define PARAM_SR {int(spec.param_sr)}")

@@ -143,10 +143,13 @@ static inline float clampf(float m, float limit) {
 }
 static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
 
-/* The gradient the rule follows (_rules._gradient): unscaled by h[1] (grad_unscale, AMP), negated
- * if MAXIMIZE. */
+/* The rule's scalars are read by name: H_<NAME> is the index of ``<name>`` in the rule's
+ * ``scalar_names`` (the #define block of _cpu_kernel._config), the order of the hyper vector. */
+
+/* The gradient the rule follows (_rules.gradient): unscaled by grad_unscale (AMP), negated if
+ * MAXIMIZE. */
 static inline float gradient(float g, const float *restrict h) {
-    g = g * h[1];
+    g = g * h[H_GRAD_UNSCALE];
 #if MAXIMIZE
     g = -g;
 #endif
@@ -154,12 +157,11 @@ static inline float gradient(float g, const float *restrict h) {
 }
 
 /* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. f2 / f3: the
- * lerp_form of the weights 1 - h[2] / 1 - h[3] (Adam's beta1; Lion's beta1 and beta2). */
+ * lerp_form of the weights 1 - beta1 / 1 - beta2 (Adam's beta1; Lion's beta1 and beta2). */
 static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
                          const float *restrict h, const lerp_form_t f2, const lerp_form_t f3) {
 #if RULE_ADAM
-    /* h: lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound */
-    const float lr = h[0], wd = h[5];
+    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
     g = gradient(g, h);
 #if DECOUPLED
     p = p * (1.0f - lr * wd);
@@ -167,7 +169,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
     g = g + wd * p;
 #endif
     float m = lerp(*s0, g, f2);
-    float v = *s1 * h[3] + g * g * (1.0f - h[3]);
+    float v = *s1 * h[H_BETA2] + g * g * (1.0f - h[H_BETA2]);
     *s0 = m;
     *s1 = v;
 #if AMSGRAD
@@ -175,29 +177,27 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
     *s2 = v;
 #endif
     float sqrt_v = sqrtf(v);
-    float limit = sqrt_v * h[8];
+    float limit = sqrt_v * h[H_M_BOUND];
     m = clampf(m, limit);
-    float step_size = lr / h[6];
-    float denom = sqrt_v / h[7] + h[4];
+    float step_size = lr / h[H_BIAS_CORRECTION1];
+    float denom = sqrt_v / h[H_BIAS_CORRECTION2_SQRT] + h[H_EPS];
     return p + (-step_size) * (m / denom);
 #elif RULE_LION
-    /* h: lr, grad_unscale, beta1, beta2, weight_decay */
-    const float lr = h[0], wd = h[4];
+    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
     g = gradient(g, h);
     p = p * (1.0f - lr * wd);
     float direction = signf(lerp(*s0, g, f2));
     *s0 = lerp(*s0, g, f3);
     return p + (-lr) * direction;
 #elif RULE_SGD
-    /* h: lr, grad_unscale, momentum, weight_decay, buf_keep, grad_keep */
-    const float lr = h[0];
+    const float lr = h[H_LR];
     g = gradient(g, h);
-    g = g + h[3] * p;
+    g = g + h[H_WEIGHT_DECAY] * p;
 #if MOMENTUM
-    float buf = *s0 * h[4] + g * h[5];
+    float buf = *s0 * h[H_BUF_KEEP] + g * h[H_GRAD_KEEP];
     *s0 = buf;
 #if NESTEROV
-    g = g + h[2] * buf;
+    g = g + h[H_MOMENTUM] * buf;
 #else
     g = buf;
 #endif
@@ -956,7 +956,11 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
-    const lerp_form_t f2 = lerp_form(1.0f - h[2]), f3 = lerp_form(RULE_LION ? 1.0f - h[3] : 0.0f);
+#if RULE_SGD /* no lerps */
+    const lerp_form_t f2 = lerp_form(0.0f), f3 = lerp_form(0.0f);
+#else
+    const lerp_form_t f2 = lerp_form(1.0f - h[H_BETA1]), f3 = lerp_form(RULE_LION ? 1.0f - h[H_BETA2] : 0.0f);
+#endif
     for (int64_t col = c0; col < c0 + len; col += GROUP) {
         const int64_t n = (c0 + len - col) < GROUP ? (c0 + len - col) : GROUP;
         FOR_STATES(DECODE_GROUP)
