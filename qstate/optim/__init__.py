@@ -19,6 +19,7 @@ from ._base import PLAIN_FORMATS, POLICY_OPTIONS, STATE_FORMATS, QuantizedOptimi
 from ._convert import convert_state_dict
 from ._kernels import kernel_kinds
 from ._rounding import stochastic_round_bf16
+from ._rules import StateSpec, UpdateRule, register_rule
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
 from .ademamix import AdEMAMix
 from .lion import Lion
@@ -28,5 +29,5 @@ from .sgd import SGD
 __all__ = [
     "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
     "PLAIN_FORMATS", "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled",
-    "stochastic_round_bf16", "adam_bound", "adam_update_bound",
+    "stochastic_round_bf16", "adam_bound", "adam_update_bound", "StateSpec", "UpdateRule", "register_rule",
 ]

@@ -73,7 +73,7 @@ from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update
 from ._kernels import KernelSpec
-from ._rules import UpdateRule
+from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
 __all__ = ["SMALL_PLAIN_NUMEL", "apply_update", "check_lists", "skip_step", "unscale_factor"]
@@ -173,7 +173,13 @@ def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads:
     scaled by ``grad_scale`` (unscaled inside the update, never written), and a nonzero
     ``found_inf`` (already reduced across ranks by the scaler) skips the whole call: parameters,
     states and step counts stay bit-identical.
+
+    ``rule`` must be registered (:func:`~qstate.optim.register_rule`): the fused kernels find it
+    by name.
     """
+    if RULES.get(rule.name) is not rule:
+        raise ValueError(f"apply_update: the update rule {rule.name!r} is not registered; register it once "
+                         f"with qstate.optim.register_rule(rule)")
     if skip_step(found_inf):
         return
     with torch.no_grad():

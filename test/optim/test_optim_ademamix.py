@@ -197,3 +197,4 @@ def test_functional_form_equals_the_class():
 def test_bad_arguments_raise_and_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         AdEMAMix(_params(), **kwargs)
+
