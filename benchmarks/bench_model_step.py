@@ -32,7 +32,8 @@ from typing import Callable
 
 import torch
 
-from _common import RESULTS_DIR, environment, parse_list, save_json, state_nbytes, target_line, third_party_adamw8bit
+from _common import (RESULTS_DIR, environment, median_ms, parse_list, save_json, state_nbytes, target_line,
+                     third_party_adamw8bit)
 from qstate.optim import AdamW
 
 BASELINE = "torch fused"
@@ -117,9 +118,6 @@ def main(argv: list[str]) -> None:
             h, w = _timed_step(opts[name], sync)
             host[name].append(h)
             wall[name].append(w)
-
-    def median_ms(xs: list[float]) -> float:
-        return 1e3 * sorted(xs)[len(xs) // 2]
 
     fused = median_ms(wall[BASELINE])
     print(f"{len(shapes)} tensors, {numel / 1e6:.1f}M parameters (layers {args.layers}, d {args.d_model}, "
