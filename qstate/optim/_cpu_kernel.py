@@ -209,6 +209,11 @@ def cpu_kernel_enabled(enabled: bool):
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def enabled() -> bool:
+    """Whether the C kernel takes the kinds it supports now (:func:`cpu_kernel_enabled`)."""
+    return _ENABLED[0]
+
+
 def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     """Whether the C kernel runs ``spec`` with gradients of ``grad_dtype`` on ``device`` (module docstring)."""
     if not _ENABLED[0] or device.type != "cpu":

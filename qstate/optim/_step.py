@@ -215,7 +215,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
             continue
-        eager, _ = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
+        eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
         key = (dtensor, eager, step, p.device, sr)
         batch = batches.get(key)
         if batch is None:
@@ -295,13 +295,24 @@ SMALL_PLAIN_NUMEL = 65536
 
 
 def _small_eager(rule: UpdateRule, static: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
-                 sr: bool) -> tuple[bool, Optional[KernelSpec]]:
+                 sr: bool) -> bool:
     """Whether ``p``'s update runs the eager math as a small one with plain states (unless the C kernel
-    takes its kind), and the kind when it was built to decide (for a DTensor: its shards')."""
+    takes its kind; for a DTensor: its shards')."""
     if not _small_and_plain(p, states):
-        return False, None
-    spec = KernelSpec.of(rule.name, static, p, states, sr)
-    return not _cpu_kernel.supports(spec, p.device, g.dtype), spec
+        return False
+    if p.device.type != "cpu" or not _cpu_kernel.enabled():
+        return True
+    key = (rule.name, static, p.dtype, g.dtype, sr, tuple(s.dtype for s in states))
+    eager = _SMALL_EAGER.get(key)
+    if eager is None:  # the C kernel's verdict is a function of the kind: one per key
+        spec = KernelSpec.of(rule.name, static, p, states, sr)
+        eager = _SMALL_EAGER[key] = not _cpu_kernel.supports(spec, p.device, g.dtype)
+    return eager
+
+
+#: (rule, flags, param, grad and state dtypes, sr) of small plain-state updates on CPU -> whether they
+#: run eagerly: asked every step
+_SMALL_EAGER: dict[tuple, bool] = {}
 
 
 def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
