@@ -7,7 +7,9 @@
 # Runs the CUDA checks and a CUDA step benchmark on one half of the CPUs while the other half builds the C
 # kernel natively and without its vector paths (equal bits; AVX-512 VBMI on that machine's Xeon), then the
 # per-parameter cost of many parameters' calls on CUDA (bench_call_overhead: batches of small parameters'
-# calls since 6dc6f81). About 4-5 minutes; logs and JSON under $OUT (or /tmp/device_checks).
+# calls since 6dc6f81), and a whole GPT-like model's step at 98 and 290 tensors (bench_model_step: host
+# time per step against the tensor count, 8bit against torch fused and bitsandbytes where installed).
+# About 6-7 minutes; logs and JSON under $OUT (or /tmp/device_checks).
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
@@ -38,4 +40,9 @@ for shape in 1024x1024 256x640; do
     echo "== bench_call_overhead --device cuda --shape $shape"
     timeout 120 python3 benchmarks/bench_call_overhead.py --device cuda --params 64 --shape $shape --repeats 9 \
         --out "$out/calls_$shape" | tail -5
+done
+for layers in 8 24; do
+    echo "== bench_model_step --device cuda --layers $layers"
+    timeout 150 python3 benchmarks/bench_model_step.py --device cuda --layers $layers --repeats 9 \
+        --out "$out/model_$layers" | tail -12
 done
