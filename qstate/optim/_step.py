@@ -82,7 +82,8 @@ Scalar = Union[float, Tensor]
 
 
 class _Scalars:
-    """Per-call cache of the rule's scalars: floats per step, tensors per (device, step).
+    """Per-call cache of the rule's scalars in their two forms: the eager math's (Python floats, ``lr``
+    and ``grad_unscale`` as given) and the op's ``hyper`` vector (float32, per device and step).
 
     ``lr`` and ``grad_unscale`` may be tensors on any device: each is converted once per
     device (``.to(device, float32)``), so a tensor on the accelerator never meets an
@@ -98,7 +99,6 @@ class _Scalars:
         self._floats: dict[int, dict] = {}
         self._on: dict[tuple, Tensor] = {}
         self._hyper: dict[tuple, Tensor] = {}
-        self._host: dict[int, tuple[float, ...]] = {}
 
     def floats(self, step: int) -> dict:
         if step not in self._floats:
@@ -120,16 +120,6 @@ class _Scalars:
         h.update({n: self.given_on(n, device) for n in self._CALLER})
         return h
 
-    def host(self, step: int) -> tuple[float, ...]:
-        """The scalars as Python floats that convert to :meth:`hyper`'s float32 values (the C
-        kernel's input: no tensors to build per step; a tensor ``lr`` is read once)."""
-        if step not in self._host:
-            f = self.floats(step)
-            given = [float(v.detach().to(torch.float32)) if isinstance(v, Tensor) else v
-                     for v in (self.given[n] for n in self._CALLER)]
-            self._host[step] = (*given, *(f[n] for n in self.rule.scalar_names[len(self._CALLER):]))
-        return self._host[step]
-
     def hyper(self, step: int, device: torch.device) -> Tensor:
         """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
         key = (step, device)
@@ -137,7 +127,9 @@ class _Scalars:
         if hyper is not None:
             return hyper
         if device.type == "cpu" and not self._tensors:  # one op instead of five
-            hyper = torch.frombuffer(array.array("f", self.host(step)), dtype=torch.float32)
+            f = self.floats(step)
+            values = [self.given[n] for n in self._CALLER] + [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
+            hyper = torch.frombuffer(array.array("f", values), dtype=torch.float32)
         else:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
             f = self.floats(step)
             parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
