@@ -25,6 +25,14 @@ torchao's AdamW4bit). A bar plot goes to ``quality.png`` where matplotlib
 imports; the table is always printed and the results saved as JSON.
 
     python benchmarks/bench_quality.py [--quick] [--tasks a,b] [--seeds 0,1,2] [--out DIR]
+    python benchmarks/bench_quality.py --sensitivity
+
+``--sensitivity``: how much float-order noise in the gradients moves the
+parameters. The digits MLP 64-256-128-10 trained for 5 steps (batch 64)
+unsharded in one process, and under FSDP2 on 2 gloo ranks, each rank taking
+half of every batch (the gradients then differ from the unsharded ones in
+float order only); the table gives the largest parameter difference between
+the two runs per optimizer and state format / rounding.
 
 ``--quick``: two tasks, shortened (about a minute on one core); the full suite
 gives the recorded results (``benchmarks/RESULTS.md``).
@@ -217,6 +225,76 @@ def candidates(formats: list[str]) -> tuple[dict[str, Callable], list[str]]:
     return makers, notes
 
 
+# ---------------------------------------------------------------------------- float-order sensitivity
+SENSITIVITY_STEPS = 5
+SENSITIVITY_CASES = [("AdamW", "fp32", None), ("AdamW", "8bit", None), ("AdamW", "fp8", None),
+                     ("AdamW", "4bit", "nearest"), ("AdamW", "4bit", None), ("Lion", "4bit", "nearest"),
+                     ("Lion", "4bit", None), ("SGD", "4bit", "nearest"), ("SGD", "4bit", None)]
+
+
+def _sensitivity_opt(params, optimizer: str, fmt: str, rounding: Optional[str]):
+    kw = dict(state_format=fmt, state_rounding=rounding, min_quantize_numel=MIN_QUANTIZE_NUMEL, compile=False)
+    if optimizer == "AdamW":
+        return qoptim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
+    if optimizer == "Lion":
+        return qoptim.Lion(params, lr=3e-4, weight_decay=0.1, **kw)
+    return qoptim.SGD(params, lr=0.05, momentum=0.9, **kw)
+
+
+def _sensitivity_run(seed: int, optimizer: str, fmt: str, rounding: Optional[str], rank: int = 0,
+                     world: int = 1) -> list[torch.Tensor]:
+    """Parameters after the steps, the model FSDP2-sharded over ``world`` ranks when ``world > 1``
+    (each rank takes its share of every batch); full tensors on every rank."""
+    torch.manual_seed(seed)
+    model = mlp((256, 128))
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = _sensitivity_opt(model.parameters(), optimizer, fmt, rounding)
+    x, y = digits()
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(SENSITIVITY_STEPS):
+        idx = torch.randint(0, x.shape[0], (64,), generator=gen).chunk(world)[rank]
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+
+
+def _sensitivity_rank(rank: int, world: int, seed: int, out: str) -> None:
+    torch.set_num_threads(1)
+    got = {f"{o} {f} {r}": _sensitivity_run(seed, o, f, r, rank, world) for o, f, r in SENSITIVITY_CASES}
+    if rank == 0:
+        torch.save(got, out)
+
+
+def sensitivity(seeds: list[int]) -> list[str]:
+    """Largest |parameter difference| between the unsharded run and FSDP2 on 2 ranks, per case and seed."""
+    import tempfile
+
+    from qstate.launch import run_ranks
+
+    rows = []
+    for opt_name, fmt, rounding in SENSITIVITY_CASES:
+        rows.append([f"{opt_name} {fmt} {rounding or 'default'}"])
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "sharded.pt")
+            run_ranks(_sensitivity_rank, 2, seed, out)
+            sharded = torch.load(out)
+        for row, (o, f, r) in zip(rows, SENSITIVITY_CASES):
+            whole = _sensitivity_run(seed, o, f, r)
+            row.append(max(float((a - b).abs().max()) for a, b in zip(whole, sharded[f"{o} {f} {r}"])))
+    lines = [f"{'optimizer, state, rounding':28s} " + " ".join(f"{'seed ' + str(s):>9s}" for s in seeds)]
+    lines += [f"{row[0]:28s} " + " ".join(f"{v:9.2e}" for v in row[1:]) for row in rows]
+    return lines
+
+
 # ---------------------------------------------------------------------------- report
 def table(results: dict, names: list[str], task_list: list[Task]) -> list[str]:
     """Rows: tasks; columns: fp32's mean final loss, then each candidate's worst / mean gap over seeds (%)."""
@@ -273,9 +351,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--formats", default="4bit,8bit,fp8", help="qstate state formats")
     ap.add_argument("--candidates", default="", help="only these candidates (fp32 always runs)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sensitivity", action="store_true",
+                    help="float-order sensitivity: unsharded vs FSDP2 on 2 ranks, 5 steps")
     ap.add_argument("--out", default=RESULTS_DIR)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.sensitivity:
+        seeds = [int(s) for s in parse_list(args.seeds)] if args.seeds else [0, 1, 2]
+        print(f"bench_quality --sensitivity: {environment()}\nmax |parameter difference|, unsharded vs FSDP2 on "
+              f"2 ranks (half of each batch per rank), digits MLP 64-256-128-10, {SENSITIVITY_STEPS} steps")
+        print("\n".join(sensitivity(seeds)))
+        return
     task_list = tasks(args.quick)
     if args.tasks:
         want = parse_list(args.tasks)
