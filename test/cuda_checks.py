@@ -88,9 +88,9 @@ def check_grad_scaler_with_offloaded_grads() -> None:
 
 
 def check_compiled_kernels_equal_eager_on_cuda() -> None:
-    # rounding to nearest: a stochastically rounded code draws from its value (8bit: its bits; 4bit: its
-    # 1/64 bucket), and the paths may compute a value differently in the last bit (ATen's lerp fuses its
-    # multiply-add), which moves some stochastic codes (as on CPU)
+    # rounding to nearest: a stochastically rounded code hashes its value's bits, and the paths may
+    # compute a value differently in the last bit (ATen's lerp fuses its multiply-add), which moves
+    # about half of 4bit's default stochastic codes (as on CPU)
     for fmt in ("8bit", "4bit", "fp8"):
         runs = []
         for compile in (True, False):

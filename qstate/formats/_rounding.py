@@ -11,17 +11,11 @@ Stochastic rounding (the spec; a C implementation must follow it bit for bit)
 For a normalized ``float32`` value ``y`` and a sorted map ``qmap`` of ``n``
 entries:
 
-1. ``h``, a 32-bit draw (all arithmetic mod ``2**32``, logical shifts):
+1. ``h = lowbias32(bits(y))``: ``bits(y)`` is ``y``'s float32 bit pattern as
+   an unsigned 32-bit integer, hashed with Chris Wellons' ``lowbias32``
+   (all arithmetic mod ``2**32``, logical shifts)::
 
-   * for a map of :data:`BUCKETED_ENTRIES` (16) entries, ``h = b * 0x9e3779b9``
-     (a Weyl sequence, golden-ratio spaced) of the bucket ``b = floor(y * 64)``
-     (:data:`BUCKETS_PER_UNIT`; ``y * 64`` is exact) as a two's complement
-     int32, clamped to ``[-128, 127]`` (0 for NaN; outside ``(-1, 1)`` the
-     draw is never read);
-   * for other maps ``h = lowbias32(bits(y))``: ``bits(y)`` is ``y``'s float32
-     bit pattern, hashed with Chris Wellons' ``lowbias32``::
-
-         x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16
+       x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16
 
 2. ``c``: the largest code with ``qmap[c] <= y``, clamped to ``[0, n - 2]``
    (0 for ``y`` below ``qmap[0]``: the signed 8bit map has no -1);
@@ -35,12 +29,11 @@ Properties:
 
 * unbiased: over ``h`` uniform in ``[0, 2**32)``, ``P(c + 1) = (y - lo) / (hi
   - lo)`` up to float32 rounding (``2**-24`` relative), so the expected
-  decoded value is ``y`` (16-entry maps: over values spread across buckets,
-  whose draws the Weyl sequence spaces evenly);
+  decoded value is ``y``;
 * values on a map entry encode exactly, with no randomness: 0 and -0.0
   (zero blocks, padding), and ``+-1`` (a block's absmax, so ``scale`` is
   unaffected); values outside ``[qmap[0], qmap[n - 1]]`` take the end code;
-* a pure function of ``y``: no random state, no step counter, no
+* a pure function of ``y``'s bits: no random state, no step counter, no
   position. Sharding, slicing, the world size and the execution path
   (eager, compiled, C) never change the decision for a given ``y`` (the
   paths may compute ``y`` itself differently in the last bit: ATen's lerp
@@ -49,20 +42,6 @@ Properties:
   and decoded state repeat exactly) rounds the same way every time. On real
   gradients ``y`` changes every step, so the decisions decorrelate (the
   digits convergence test meets its target without a step-dependent salt).
-* 16-entry maps: values within one bucket (1/64 of the block's absmax; the
-  4bit map's steps are 0.08 .. 0.30) share the draw, so a perturbation of
-  ``y`` changes the decision only where it crosses the draw's threshold
-  ``lo + u (hi - lo)`` (as it crosses a threshold of round-to-nearest) or a
-  bucket edge. A gradient that differs in float order only (data-parallel
-  reductions) then moves codes about as rarely as round-to-nearest does,
-  where hashing ``bits(y)`` redraws every code whose value changed in any
-  bit. The price: unbiased over values spread across buckets, not over the
-  values within one; a value held within one bucket step after step keeps
-  its decision (a dead zone of about a bucket instead of round-to-nearest's
-  half a map step). Consecutive buckets' draws are golden-ratio spaced, so
-  over any few neighbouring buckets the share rounded up follows the
-  values' place in the map step (a hash of the bucket left a bias of 0.15
-  of a mean step over ``[-1, 1]``).
 """
 
 from __future__ import annotations
@@ -70,16 +49,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ROUNDINGS", "lowbias32", "lowbias32_int", "stochastic_code", "draw_word", "BUCKETED_ENTRIES",
-           "BUCKETS_PER_UNIT"]
+__all__ = ["ROUNDINGS", "lowbias32", "lowbias32_int", "stochastic_code"]
 
 #: rounding modes of a quantized state; the first is the default
 ROUNDINGS = ("nearest", "stochastic")
-
-#: maps of this many entries hash a bucket of the value, not its bits (see the module docstring)
-BUCKETED_ENTRIES = 16
-#: buckets per unit of normalized value for those maps (a power of two: ``y * BUCKETS_PER_UNIT`` is exact)
-BUCKETS_PER_UNIT = 64
 
 #: the low 32 bits: lowbias32 runs on 32-bit words held in int64
 MASK32 = 0xFFFFFFFF
@@ -107,26 +80,6 @@ def lowbias32_int(x: Tensor) -> Tensor:
     return x ^ torch.bitwise_right_shift(x, 16)
 
 
-#: the Weyl step ``floor(2**32 / golden ratio)``, minus ``2**32`` (the same product mod ``2**32``)
-_WEYL_SIGNED = 0x9E3779B9 - (1 << 32)
-
-
-def _draw32(word: Tensor, entries: int) -> Tensor:
-    """The 32-bit draw of the spec for a map of ``entries`` entries: ``lowbias32(word)``, or for
-    bucketed maps ``word * 0x9e3779b9`` mod ``2**32`` (a Weyl sequence over buckets)."""
-    if entries != BUCKETED_ENTRIES:
-        return lowbias32_int(word)
-    return (word * _WEYL_SIGNED) & MASK32
-
-
-def draw_word(y: Tensor, entries: int) -> Tensor:
-    """``w(y)`` of the spec, as int64 values in ``[0, 2**32)``, for a map of ``entries`` entries."""
-    if entries != BUCKETED_ENTRIES:
-        return y.view(torch.int32).long() & MASK32
-    bucket = torch.floor(y * float(BUCKETS_PER_UNIT)).nan_to_num(0.0).clamp(-128.0, 127.0)
-    return bucket.long() & MASK32
-
-
 def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor) -> Tensor:
     """Stochastically rounded codes of normalized ``y`` (float32) on the sorted ``qmap``.
 
@@ -139,7 +92,7 @@ def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor) -> Tensor:
     floor = nearest - (qmap[nearest] > y).to(nearest.dtype)
     c = floor.clamp(0, n - 2)
     lo, hi = qmap[c], qmap[c + 1]
-    draw = (_draw32(draw_word(y, n), n) >> 8).float()
+    draw = (lowbias32(y) >> 8).float()
     up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * float(1 << 24)))
     return c + up.to(c.dtype)
 

@@ -209,7 +209,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 }
 
 /* Stochastic rounding of y onto the sorted map from its nearest code c (qstate/formats/_rounding.py:
- * sr_draw32 below; up with probability (y - lo) / (hi - lo); exact on map entries). */
+ * lowbias32 hash of y's bits; up with probability (y - lo) / (hi - lo); exact on map entries). */
 static inline uint32_t lowbias32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
@@ -235,33 +235,24 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
 }
 #endif
 
-/* stochastic_code's draw of a 16-entry map, (float)((bucket of y) * 0x9e3779b9 >> 8), in each 32-bit lane of a
- * W-bit vector (W: 512 or 256, the intrinsics' width; FLOOR: floor of a vector; defined for the widths the
- * build has, before their map4_code). The bucket: floor(y * 64) clamped to [-128, 127] (max/min with the
- * bound second take it for NaN lanes, whose draw is never read), exact in int32. */
-#define DEFINE_SR_DRAW(W, FLOOR)                                                          \
+/* stochastic_code's draw, (float)(lowbias32(bits of y) >> 8), in each 32-bit lane of a W-bit vector (W:
+ * 512 or 256, the intrinsics' width; defined for the widths the build has, before their map4_code) */
+#define DEFINE_SR_DRAW(W)                                                                 \
     static inline __m##W sr_draw_##W(__m##W y) {                                          \
-        __m##W b = FLOOR(_mm##W##_mul_ps(y, _mm##W##_set1_ps(64.0f)));                    \
-        b = _mm##W##_min_ps(_mm##W##_max_ps(b, _mm##W##_set1_ps(-128.0f)), _mm##W##_set1_ps(127.0f)); \
-        __m##W##i h = _mm##W##_cvtps_epi32(b);                                            \
-        h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x9e3779b9u));           \
+        __m##W##i h = _mm##W##_castps_si##W(y);                                           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
+        h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x7feb352du));           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 15));                            \
+        h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x846ca68bu));           \
+        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
         return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(h, 8));                           \
     }
-
-/* stochastic_code's 32-bit draw (qstate/formats/_rounding.py): for a 16-entry map the bucket floor(y * 64)
- * clamped to [-128, 127] (0 for NaN), as int32 bits, times 0x9e3779b9; for other maps lowbias32 of y's bits. */
-static inline uint32_t sr_draw32(float y, int32_t n) {
-    if (n != 16) return lowbias32(f2u(y));
-    float b = floorf(y * 64.0f);
-    b = b != b ? 0.0f : (b < -128.0f ? -128.0f : (b > 127.0f ? 127.0f : b));
-    return (uint32_t)(int32_t)b * 0x9e3779b9u;
-}
 
 static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n) {
     c -= qmap[c] > y;
     c = c < 0 ? 0 : (c > n - 2 ? n - 2 : c);
     const float lo = qmap[c], hi = qmap[c + 1];
-    const float draw = (float)(sr_draw32(y, n) >> 8);
+    const float draw = (float)(lowbias32(f2u(y)) >> 8);
     const int32_t up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * 16777216.0f));
     return c + up;
 }
@@ -573,8 +564,7 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
  * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does), whose count is the nearest
  * code; with stochastic rounding the map's entries q_1..q_15, whose count c (capped at 14) has
  * q_c < y <= q_c+1, then stochastic_code's steps (qmap: the map's 16 values), as map4_code8 explains. */
-#define SR_FLOOR_512(x) _mm512_roundscale_ps((x), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
-DEFINE_SR_DRAW(512, SR_FLOOR_512)
+DEFINE_SR_DRAW(512)
 
 static inline __m512 map4_search16(const float *restrict thr, const float *restrict qmap, int sr) {
     if (!sr) return _mm512_loadu_ps(thr);
@@ -627,7 +617,7 @@ static inline search4_t map4_search8(const float *restrict thr, const float *res
     return make_search4(sr ? qmap + 1 : thr);
 }
 
-DEFINE_SR_DRAW(256, _mm256_floor_ps)
+DEFINE_SR_DRAW(256)
 
 /* map4_code16 on 8 values: the same four halvings (c + step - 1 is the entry of s compared), each reading its
  * candidates from one register (s: map4_search8's); qmap: the map's values as halves (q[0..7], q[8..15]). With
