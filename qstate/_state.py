@@ -32,7 +32,9 @@ The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+import pathlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -128,11 +130,12 @@ class QuantizedState(Tensor):
         )
 
     def _stable_hash_for_caching(self) -> str:
-        # AOT autograd cache key: the structure, not the values
+        # AOT autograd cache key: the structure, not the values, and the code that encodes and decodes
+        # (the graph a cached entry compiled from holds only the ops on the subclass, not what they run)
         parts = [self.codes, self.scale] + ([] if self.qmap is None else [self.qmap])
         inner = ";".join(f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in parts)
         return (f"QuantizedState({self.format},{self.signed},{self.block_size},{self.row_len},{self.dtype},"
-                f"{self.rounding},{inner})")
+                f"{self.rounding},{inner},{_implementation_digest()})")
 
     def with_parts(
         self,
@@ -217,6 +220,18 @@ def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) ->
     kind = "signed" if signed else "unsigned"
     suffix = "" if rounding == "nearest" else f" rounding={rounding}"
     return f"{format} {kind} block_size={block_size}{suffix}"
+
+
+@functools.lru_cache(maxsize=None)
+def _implementation_digest() -> str:
+    """A digest of the sources behind a state's ops (the package's Python files), so that a warm
+    compile cache never serves a graph compiled from another version of the encode or decode."""
+    root = pathlib.Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _rebuild_quantized_state(

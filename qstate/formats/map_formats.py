@@ -14,23 +14,23 @@ Maps
   spend two levels per sign on ``|x| < 0.035 * absmax`` and leave steps of
   0.135 .. 0.225 where a first moment's mass lies, and it has +1 but not -1,
   so a block whose absmax is negative decodes it 11% short. With
-  round-to-nearest, an EMA ``m <- m + (1 - beta1) (g - m)`` whose increment is
-  under half a step never moves the code, so ``m`` lags its fp32 value (read
-  back at 0.6-0.8x of an fp32 EMA of the same gradients, dynamic map):
-  training an MLP on scikit-learn's digits for 120 steps (AdamW, lr 1e-3,
-  batch 256, both moments in 4bit) ends 38% above fp32 with the dynamic map and
-  13% above with this map (16% with a linear one); with batch 64 / 200 steps,
-  +9..23% versus +0..11% over three seeds. The rest of that gap is the dead
-  zone of round-to-nearest itself, which no 16-entry map removes: unbiased
-  stochastic rounding of the first moment (``rounding="stochastic"``, the
-  optimizers' default for signed 4bit states) ends +3.4% above fp32 (+2.7
-  .. 3.4% over three seeds; batch 64 / 200 steps: -3.4 .. +6.9%, versus
-  +0.1 .. 10.6% with round-to-nearest on this map).
-* ``4bit`` unsigned: ``linspace(0, 1, 16)``: linear, as that paper advises for
-  second moments, but keeping an exact 0 (for padding and all-zero blocks);
-  a positive value never decodes as 0 (see ``_base``): the smallest positive
-  code is 1/15 of the block's absmax, so ``sqrt(v)`` is never underestimated
-  by more than the linear step.
+  round-to-nearest an EMA ``m <- m + (1 - beta) (g - m)`` whose increment is
+  under half a step never moves the code; coarse steps there make ``m`` lag.
+  Unbiased stochastic rounding (``rounding="stochastic"``, the optimizers'
+  default for signed 4bit states) keeps it moving on average.
+* ``4bit`` unsigned: :func:`square_map`, ``(k / 15) ** 2``: linear in
+  ``sqrt(x)``. A second moment divides Adam's update through ``sqrt(v)``, and
+  within a 128-element block ``v`` spans decades (one large gradient sets the
+  absmax); a map linear in ``v`` decodes every ``v`` under 1/30 of the
+  absmax as 1/15 of it (``sqrt(v)`` too large, the update too small, up to
+  ~4x at 1/225), which is where 4-bit AdamW fell behind fp32 late in training.
+  This map's smallest positive entry is 1/225 of the absmax and ``sqrt(v)``
+  is within 0.59 of a step of 1/15 of ``sqrt(absmax)`` above it. It keeps an exact 0 (for
+  padding and all-zero blocks); a positive value never decodes as 0 (see
+  ``_base``): it rounds up to the smallest positive entry.
+
+Measurements behind these choices are in ``benchmarks/RESULTS.md`` (4-bit
+state quality).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from torch import Tensor
 from ._base import BlockFormat, nearest_code
 from ._rounding import stochastic_code
 
-__all__ = ["MapFormat", "dynamic_map", "normal_map", "EIGHT_BIT", "FOUR_BIT"]
+__all__ = ["MapFormat", "dynamic_map", "normal_map", "square_map", "EIGHT_BIT", "FOUR_BIT"]
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
@@ -95,6 +95,20 @@ def normal_map(offset: float = NF4_OFFSET) -> Tensor:
     neg = -q(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
     values = torch.cat([neg, torch.zeros(1, dtype=torch.float64), pos]).sort().values
     return (values / values.abs().max()).float()
+
+
+def square_map(entries: int = 16) -> Tensor:
+    """The unsigned map ``(k / (entries - 1)) ** 2``, ``k = 0 .. entries - 1``, sorted, ``float32``.
+
+    Linear in ``sqrt(x)``: for a second moment ``v`` rounded to the nearest entry, the decoded
+    ``sqrt(v)``, which divides Adam's update, is within 0.59 of a linear step (``1 / (entries - 1)``
+    of the block's ``sqrt(absmax)``) of its value where ``v`` is at least the smallest positive
+    entry, ``1 / (entries - 1) ** 2`` of the block's absmax, and within one step below it. Exact 0
+    and 1.
+    """
+    if entries < 2:
+        raise ValueError(f"square_map: entries must be >= 2, got {entries!r}")
+    return torch.linspace(0, 1, entries, dtype=torch.float64).square().float()
 
 
 class MapFormat(BlockFormat):
@@ -158,4 +172,4 @@ class MapFormat(BlockFormat):
 
 
 EIGHT_BIT = MapFormat("8bit", 8, 256, dynamic_map(True, 7, 8), dynamic_map(False, 7, 8))
-FOUR_BIT = MapFormat("4bit", 4, 128, normal_map(), torch.linspace(0, 1, 16))
+FOUR_BIT = MapFormat("4bit", 4, 128, normal_map(), square_map())

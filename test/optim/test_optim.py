@@ -166,10 +166,12 @@ def test_compiled_4bit_stochastic_matches_eager():
             assert m_e.rounding == m_c.rounding == "stochastic"
             assert torch.equal(m_e.codes, m_c.codes) and torch.equal(m_e.scale, m_c.scale)
     # default betas: the runs differ by other rounding decisions only, each moving m by one map step
-    # (measured: 74-79% of m codes equal after 3 steps, parameters within 0.7 lr)
+    # (measured: 74-79% of m codes equal after 3 steps; parameters within 1.9 lr, since the second moment's
+    # map, linear in sqrt(v), no longer reads small v as 1/15 of its block's absmax, which damped these
+    # elements' updates: within 0.7 lr under the linear map). Bound: one lr per step.
     a, b, oe, oc = _eager_and_compiled("4bit")
     for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=0, atol=1e-2)
+        torch.testing.assert_close(x, y, rtol=0, atol=3e-2)
         v_e, v_c = oe.state[x]["exp_avg_sq"], oc.state[y]["exp_avg_sq"]
         if isinstance(v_e, qstate.QuantizedState):  # round to nearest: as in the test above
             assert (v_e.codes == v_c.codes).float().mean() > 0.999

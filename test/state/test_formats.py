@@ -88,7 +88,24 @@ def test_4bit_signed_map_is_nf4():
     assert m[0].item() == -1.0 and m[7].item() == 0.0 and m[-1].item() == 1.0
     assert int((m < 0).sum()) == 7 and int((m > 0).sum()) == 8
     assert torch.equal(get_format("4bit").make_qmap(True), m)
-    assert torch.equal(get_format("4bit").make_qmap(False), torch.linspace(0, 1, 16))
+    assert torch.equal(get_format("4bit").make_qmap(False), torch.tensor([(k / 15) ** 2 for k in range(16)]))
+
+
+def test_4bit_unsigned_decodes_sqrt_within_half_a_linear_step():
+    # a second moment spanning decades in one block: sqrt of the decoded value is within 0.59 of
+    # sqrt(absmax) / 15 of the true sqrt (nearest in v: sqrt(k^2 + k + 1/2) - k <= 0.59 for k >= 1), and within
+    # one such step below the smallest entry (rounded up); a map linear in v reads all v under absmax / 30
+    # as absmax / 15, i.e. sqrt(v) up to 1/sqrt(15) of sqrt(absmax) too large
+    g = torch.Generator().manual_seed(0)
+    v = 10 ** (torch.rand(64, 128, generator=g) * -8)
+    v[:, 0] = 1.0
+    back = qstate.quantize(v, "4bit", signed=False).dequantize()
+    assert bool((back > 0).all())  # a positive value never decodes as 0
+    err = (back.sqrt() - v.sqrt()).abs()
+    assert float(err.max()) <= 1 / 15 + 1e-6
+    assert float(err[v >= 1 / 225].max()) <= 0.59 / 15
+    small = v < 1 / 225  # below the smallest positive entry: rounds up to it, never down
+    assert torch.equal(back[small], torch.full_like(back[small], float((1 / 15) ** 2)))
     with pytest.raises(ValueError, match="offset must be in"):
         normal_map(0.5)
 
