@@ -24,6 +24,7 @@ __all__ = [
     "clear_sharding_caches",
     "dispatcher",
     "propagator",
+    "is_local_tensor",
     "local_tensor_mode_disabled",
     "run_per_rank",
 ]
@@ -67,6 +68,15 @@ def clear_sharding_caches() -> None:
     meta_cache = getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None)
     if hasattr(meta_cache, "cache_clear"):
         meta_cache.cache_clear()
+
+
+def is_local_tensor(t: Any) -> bool:
+    """Whether ``t`` is a ``LocalTensor`` (the shards of all simulated ranks at once)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # no LocalTensor simulation in this torch
+        return False
+    return isinstance(t, LocalTensor)
 
 
 @contextlib.contextmanager

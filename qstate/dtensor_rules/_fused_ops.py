@@ -23,6 +23,7 @@ from typing import Optional
 
 from qstate._library import fused_update, states_per_param
 from qstate.distributed import _dtensor_type
+from qstate.dtensor_rules import _compat
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["QSTATE_OP_RULES", "LayoutMismatch", "flat_start", "fused_update_handler", "layout_mismatch",
@@ -95,7 +96,7 @@ def update_mismatch(param, grad, states, stochastic_round: bool) -> Optional[Exc
     if flat_start(param) is None:
         return LayoutMismatch(f"placements {param.placements} do not keep each shard one range of the flat "
                               f"parameter (Shard(0) and Replicate do)")
-    if _is_local_tensor(param._local_tensor):
+    if _compat.is_local_tensor(param._local_tensor):
         return LayoutMismatch("the shards are simulated ranks' (LocalTensor): each rank's place in the flat "
                               "parameter is a different argument")
     return None
@@ -113,14 +114,6 @@ def fused_update_handler(op_call, args: tuple, kwargs: dict) -> None:
     extra = {} if sr_keys is None else {"sr_keys": sr_keys, "starts": [flat_start(p) for p in params]}
     op_call([p._local_tensor for p in params], [g._local_tensor for g in grads], [s._local_tensor for s in states],
             hyper, kind, **extra)
-
-
-def _is_local_tensor(t) -> bool:
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except ImportError:  # no rank simulation in this torch
-        return False
-    return isinstance(t, LocalTensor)
 
 
 def flat_start(param) -> Optional[int]:
