@@ -104,8 +104,11 @@ class BlockFormat:
         """The code (``uint8`` value of one element) that decodes to exactly 0."""
         return 0
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
-        """Codes (``uint8``, one per element) of normalized values ``y``, rounded per ``rounding``."""
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
+                draws: Optional[Tensor] = None) -> Tensor:
+        """Codes (``uint8``, one per element) of normalized values ``y``, rounded per ``rounding``
+        (``"stochastic"``: with ``draws``, 32-bit draws by position of ``y``'s shape, else by value;
+        :mod:`qstate.formats._rounding`)."""
         raise NotImplementedError
 
     def supports_rounding(self, rounding: str, signed: bool) -> bool:
@@ -160,15 +163,21 @@ class BlockFormat:
         return (row_len * self.bits + 7) // 8
 
     def encode(
-        self, x: Tensor, block_size: int, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest"
+        self, x: Tensor, block_size: int, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
+        draws: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor]:
-        """Quantize rows ``x`` (``[R, L]``, any float dtype) -> ``(codes, scale)``."""
+        """Quantize rows ``x`` (``[R, L]``, any float dtype) -> ``(codes, scale)`` (``draws``: stochastic
+        rounding's draws by position, ``[R, L]``, see :meth:`code_of`)."""
         rows, row_len = x.shape
         nblocks = -(-row_len // block_size)
         x = x.float()
         padded = nblocks * block_size
         if padded != row_len:
             x = torch.nn.functional.pad(x, (0, padded - row_len))
+            if draws is not None:  # padding encodes as 0, exactly: its draws are never read
+                draws = torch.nn.functional.pad(draws, (0, padded - row_len))
+        if draws is not None:
+            draws = draws.reshape(rows, nblocks, block_size)
         blocks = x.view(rows, nblocks, block_size)
         magnitudes = blocks.abs()
         amax = magnitudes.amax(dim=-1)
@@ -178,7 +187,7 @@ class BlockFormat:
         else:
             scale = self.scale_of(block_absmax(magnitudes, amax))
             y = self.normalize(blocks, scale)
-        codes = self.code_of(y, signed, qmap, rounding=rounding).view(rows, padded)[:, :row_len]
+        codes = self.code_of(y, signed, qmap, rounding=rounding, draws=draws).view(rows, padded)[:, :row_len]
         return self.pack(codes), scale
 
     def decode(

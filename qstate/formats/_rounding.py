@@ -11,11 +11,20 @@ Stochastic rounding (the spec; a C implementation must follow it bit for bit)
 For a normalized ``float32`` value ``y`` and a sorted map ``qmap`` of ``n``
 entries:
 
-1. ``h = lowbias32(bits(y))``: ``bits(y)`` is ``y``'s float32 bit pattern as
-   an unsigned 32-bit integer, hashed with Chris Wellons' ``lowbias32``
-   (all arithmetic mod ``2**32``, logical shifts)::
+1. ``h``, a 32-bit draw (all arithmetic mod ``2**32``, logical shifts), from
+   Chris Wellons' ``lowbias32``::
 
        x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16
+
+   * **by position** (the optimizers' updates, every path): the encode is given
+     a 64-bit ``key`` (one per parameter and step, drawn from the optimizer's
+     rounding stream) and each element's flat index ``n`` in the full tensor;
+     ``h = position_hash32(state_key(key, i), n)`` for the update's state
+     ``i`` (:func:`position_hash32`: ``lowbias32(lowbias32(n_lo ^ k_lo) ^ n_hi
+     ^ k_hi)`` of the 32-bit halves; :func:`state_key`: ``key ^ (i + 1) *
+     0x9e3779b97f4a7c15`` mod ``2**64``);
+   * **by value** (an encode given no draws: ``qstate.quantize``, ``copy_``
+     into a state): ``h = lowbias32(bits(y))``, ``y``'s float32 bit pattern.
 
 2. ``c``: the largest code with ``qmap[c] <= y``, clamped to ``[0, n - 2]``
    (0 for ``y`` below ``qmap[0]``: the signed 8bit map has no -1);
@@ -33,23 +42,28 @@ Properties:
 * values on a map entry encode exactly, with no randomness: 0 and -0.0
   (zero blocks, padding), and ``+-1`` (a block's absmax, so ``scale`` is
   unaffected); values outside ``[qmap[0], qmap[n - 1]]`` take the end code;
-* a pure function of ``y``'s bits: no random state, no step counter, no
-  position. Sharding, slicing, the world size and the execution path
-  (eager, compiled, C) never change the decision for a given ``y`` (the
-  paths may compute ``y`` itself differently in the last bit: ATen's lerp
-  uses a fused multiply-add, for one). Equal normalized values get
-  equal decisions: a value that recurs bit for bit (an EMA whose gradient
-  and decoded state repeat exactly) rounds the same way every time. On real
-  gradients ``y`` changes every step, so the decisions decorrelate (the
-  digits convergence test meets its target without a step-dependent salt).
+* by position, the decision depends on ``y``, the key and the element's
+  place only: sharding, slicing, the world size and the execution path
+  (eager, compiled, C) never change it, and a ``y`` that differs in its last
+  bits (gradients summed in another order: data-parallel reductions) changes
+  the code only where the difference crosses the draw's threshold ``lo + u
+  (hi - lo)``, about as rarely as it crosses round-to-nearest's midpoint. The
+  key changes every step, so a value held still (an EMA moving by less than a
+  map step) still rounds up and down in the right proportion over steps;
+* by value, the decision is a pure function of ``y``'s bits: equal values
+  get equal decisions, and any change of ``y``, its last bit included, draws
+  anew (a third of the values between two entries then take the other code).
 """
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 from torch import Tensor
 
-__all__ = ["ROUNDINGS", "lowbias32", "lowbias32_int", "stochastic_code"]
+__all__ = ["ROUNDINGS", "STATE_KEY_STEP", "lowbias32", "lowbias32_int", "position_hash32", "state_key",
+           "stochastic_code"]
 
 #: rounding modes of a quantized state; the first is the default
 ROUNDINGS = ("nearest", "stochastic")
@@ -80,19 +94,45 @@ def lowbias32_int(x: Tensor) -> Tensor:
     return x ^ torch.bitwise_right_shift(x, 16)
 
 
-def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor) -> Tensor:
+#: the per-state step of :func:`state_key` (splitmix64's golden-ratio increment)
+STATE_KEY_STEP = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def state_key(key: int, index: int) -> int:
+    """The draw key of the update's state ``index`` (0-based, in the rule's state order) under the
+    parameter's 64-bit ``key`` (an int; the result in ``[0, 2**64)``)."""
+    return (key ^ ((index + 1) * STATE_KEY_STEP)) & _MASK64
+
+
+def position_hash32(key: Union[Tensor, int], index: Tensor) -> Tensor:
+    """32-bit hashes (int64 in ``[0, 2**32)``) of the flat indices ``index`` (int64, >= 0) under the
+    64-bit ``key`` (an int64 tensor, or an int: taken mod ``2**64``): ``lowbias32(lowbias32(n_lo ^ k_lo)
+    ^ n_hi ^ k_hi)`` of the 32-bit halves (the C kernel's ``position_hash``). For one key and ``n_hi``
+    both hashes are bijections of ``n_lo``: the elements of one tensor get distinct hashes."""
+    if not isinstance(key, Tensor):
+        key &= _MASK64
+        k_lo, k_hi = key & MASK32, key >> 32
+    else:
+        k_lo, k_hi = key & MASK32, torch.bitwise_right_shift(key, 32) & MASK32
+    inner = lowbias32_int((index & MASK32) ^ k_lo)
+    return lowbias32_int(inner ^ (torch.bitwise_right_shift(index, 32) & MASK32) ^ k_hi)
+
+
+def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     """Stochastically rounded codes of normalized ``y`` (float32) on the sorted ``qmap``.
 
     ``nearest`` holds the nearest codes of ``y`` (any integer dtype; the
     result has the same dtype): the largest code below is ``nearest`` or
-    ``nearest - 1``, so one compare finds it. Implements the module's spec;
-    ``qmap`` must be strictly increasing.
+    ``nearest - 1``, so one compare finds it. ``draws``: the 32-bit draws
+    ``h`` by position (int64 in ``[0, 2**32)``, ``y``'s shape); None draws by
+    value. Implements the module's spec; ``qmap`` must be strictly increasing.
     """
     n = qmap.numel()
     floor = nearest - (qmap[nearest] > y).to(nearest.dtype)
     c = floor.clamp(0, n - 2)
     lo, hi = qmap[c], qmap[c + 1]
-    draw = (lowbias32(y) >> 8).float()
+    draw = ((lowbias32(y) if draws is None else draws) >> 8).float()
     up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * float(1 << 24)))
     return c + up.to(c.dtype)
 

@@ -36,7 +36,8 @@ class Float8Format(BlockFormat):
     default_block_size = 256
     max_code = float(torch.finfo(_E4M3).max)
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
+                draws: Optional[Tensor] = None) -> Tensor:
         assert rounding == "nearest", rounding  # supports_rounding: nearest only
         codes = y.clamp(-self.max_code, self.max_code).to(_E4M3).view(torch.uint8)
         if not signed:

@@ -142,12 +142,13 @@ class MapFormat(BlockFormat):
     def supports_rounding(self, rounding: str, signed: bool) -> bool:
         return rounding == "nearest" or (rounding == "stochastic" and bool(signed))
 
-    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest") -> Tensor:
+    def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
+                draws: Optional[Tensor] = None) -> Tensor:
         assert qmap is not None
         idx = nearest_code(y, qmap)
         if rounding == "stochastic":
             assert signed, "stochastic rounding of unsigned map states is not implemented"
-            idx = stochastic_code(y, idx, qmap)
+            idx = stochastic_code(y, idx, qmap, draws)
         elif not signed:
             # positive values never decode as 0: bump the zero code to the next (smallest positive) one
             zero = self.zero_code(False)

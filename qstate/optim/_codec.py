@@ -176,10 +176,11 @@ class Codec:
         """Whether :meth:`encode` implements ``rounding`` for this codec's states."""
         return self.fmt.supports_rounding(rounding, self.signed)
 
-    def encode(self, y: Tensor, tables: list[Tensor], rounding: str = "nearest") -> Tensor:
-        """``uint8`` codes of normalized values ``y`` (== ``format.code_of(y, signed, qmap, rounding)``)."""
+    def encode(self, y: Tensor, tables: list[Tensor], rounding: str = "nearest",
+               draws: Optional[Tensor] = None) -> Tensor:
+        """``uint8`` codes of normalized values ``y`` (== ``format.code_of(y, signed, qmap, rounding, draws)``)."""
         if not self.lookup:
-            return self.fmt.code_of(y, self.signed, tables[0] if tables else None, rounding=rounding)
+            return self.fmt.code_of(y, self.signed, tables[0] if tables else None, rounding=rounding, draws=draws)
         shift = 23 - self.m_bits
         mask = (1 << shift) - 1
         bits = y.abs().view(torch.int32)
@@ -191,7 +192,7 @@ class Codec:
         idx = (entry & 0xFF) + (low > (entry >> 8)).to(torch.int32)
         if rounding == "stochastic":
             assert self.supports(rounding), "stochastic rounding of unsigned map states is not implemented"
-            idx = stochastic_code(y, idx, tables[0])
+            idx = stochastic_code(y, idx, tables[0], draws)
         elif not self.signed:  # as MapFormat.code_of: a positive value never takes the zero code
             idx = torch.where((idx == self.zero_code) & (y > 0), idx + 1, idx)
         return idx.to(torch.uint8)

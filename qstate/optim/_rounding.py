@@ -38,8 +38,7 @@ from .._library import LIBRARY, flat_index_like
 from .._library import stochastic_round_bf16 as stochastic_round_bf16_op
 from ..distributed import _dtensor_type
 from .._splitmix64 import as_int64
-from ..formats import lowbias32_int
-from ..formats._rounding import MASK32
+from ..formats import position_hash32
 
 __all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
@@ -77,11 +76,9 @@ LIBRARY.impl("stochastic_round_bf16", _stochastic_round_bf16, "CompositeExplicit
 
 def position_draws(key: Union[Tensor, int], index: Tensor) -> Tensor:
     """16-bit draws (int64 in ``[0, 2**16)``) of the elements at the flat indices ``index`` (int64, >= 0)
-    under the 64-bit ``key`` (an int64 tensor or int: the key's two's complement): ``lowbias32(lowbias32(lo ^ k_lo)
-    ^ hi ^ k_hi) >> 16``, with ``lo``/``hi`` and ``k_lo``/``k_hi`` the low and high 32-bit halves (the C
-    kernel's ``param_draw``)."""
-    inner = lowbias32_int((index & MASK32) ^ (key & MASK32))
-    return _shr(lowbias32_int(inner ^ (_shr(index, 32) & MASK32) ^ (_shr(key, 32) & MASK32)), 16)
+    under the 64-bit ``key`` (an int64 tensor or int: the key's two's complement): the top 16 bits of
+    :func:`qstate.formats.position_hash32` (the C kernel's ``param_draw``)."""
+    return _shr(position_hash32(key, index), 16)
 
 
 def _shr(x: Union[Tensor, int], s: int) -> Union[Tensor, int]:
