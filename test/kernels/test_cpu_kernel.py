@@ -620,14 +620,16 @@ def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.T
     return y[torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))]
 
 
-#: the checkers' reference for map states: ENCODE of state 0 or 1 of the configured kind (its tables given)
+#: the checkers' reference for map states: ENCODE of state 0 or 1 of the configured kind (its tables given), with
+#: the draw of flat index n under the key ``key`` (the state's own: STATE_KEY already applied; read only by
+#: stochastically rounding states)
 _SCALAR_CODE = r"""
 #include "kernel.c"
 static uint8_t scalar_code(float y, int state, const float *qmap0, const int32_t *tab0, const float *qmap1,
-                           const int32_t *tab1) {
+                           const int32_t *tab1, uint64_t key, uint64_t n) {
     uint8_t c;
-    if (state == 0) ENCODE(0, y, c);
-    else ENCODE(1, y, c);
+    if (state == 0) ENCODE(0, y, c, position_hash64(key, n));
+    else ENCODE(1, y, c, position_hash64(key, n));
     return c;
 }
 """
@@ -636,20 +638,26 @@ static uint8_t scalar_code(float y, int state, const float *qmap0, const int32_t
 _MAP4_CHECK = _SCALAR_CODE + r"""
 /* how many of the n values y[] (no NaN; n a multiple of 16) get another code from the ``lanes``-wide
  * vector encode (16: map4_code16, AVX-512 VBMI; 8: map4_code8 and store_nibbles8, AVX2) than from the scalar
- * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind; -1 if
- * this build lacks it */
+ * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind, drawing
+ * under ``key``; -1 if this build lacks it. y[k] has the flat index base + k, or with ``wrap`` each run of 16
+ * (the m-th) has base's high word + m and starts at low word 2**32 - 1 - m % 17: its low word wraps at lane
+ * 1 + m % 17 (none for 16), carrying into the high word (and the AVX2 halves' second one starts past it) */
 int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int32_t *tab0, const float *thr0,
-                        const float *qmap1, const int32_t *tab1, const float *thr1, int state, int lanes) {
+                        const float *qmap1, const int32_t *tab1, const float *thr1, int state, int lanes,
+                        uint64_t key, uint64_t base, int wrap) {
     int64_t bad = 0;
     const float *qmap = state == 0 ? qmap0 : qmap1, *thr = state == 0 ? thr0 : thr1;
     const int sr = state == 0 ? S0_SR : S1_SR;
     for (int64_t k = 0; k + 16 <= n; k += 16) {
+        const uint64_t m = (uint64_t)k / 16;
+        const uint64_t n0 = wrap ? ((base & 0xffffffff00000000ull) + (m << 32)) | (0xffffffffull - m % 17)
+                                 : base + (uint64_t)k;
         uint8_t got[16];
         if (lanes == 16) {
 #if HAVE_VBMI
             int32_t c[16];
             const __m512 t = map4_search16(thr, qmap, sr), q = _mm512_loadu_ps(qmap);
-            _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), t, q, sr));
+            _mm512_storeu_si512(c, map4_code16(_mm512_loadu_ps(y + k), t, q, sr, key, n0));
             for (int i = 0; i < 16; i++) got[i] = (uint8_t)c[i];
 #else
             return -1;
@@ -660,13 +668,14 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
             const __m256 q[2] = {_mm256_loadu_ps(qmap), _mm256_loadu_ps(qmap + 8)};
             uint8_t packed[8];
             for (int h = 0; h < 2; h++)
-                store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), &s, q, sr), packed + 4 * h);
+                store_nibbles8(map4_code8(_mm256_loadu_ps(y + k + 8 * h), &s, q, sr, key, n0 + 8 * h), packed + 4 * h);
             for (int i = 0; i < 16; i++) got[i] = (packed[i / 2] >> (4 * (i % 2))) & 15;
 #else
             return -1;
 #endif
         }
-        for (int i = 0; i < 16; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1);
+        for (int i = 0; i < 16; i++)
+            bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1, key, n0 + (uint64_t)i);
     }
     return bad;
 }
@@ -676,7 +685,9 @@ int64_t map4_mismatches(const float *y, int64_t n, const float *qmap0, const int
 @pytest.mark.parametrize("lanes", [16, 8])
 def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     # map4_code16 / map4_code8 against ENCODE (the packed table, then stochastic rounding) for the two states of 4bit
-    # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials
+    # AdamW: every 512th float in [-1, 1], each threshold and map value with its float neighbours, specials; the
+    # stochastic state's draws by position under random keys, from flat indices below and above 2**32 and
+    # with the low word wrapping inside the vectors (the carry into the high word)
     import ctypes
 
     p = torch.zeros(2, 256)
@@ -688,10 +699,15 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     args = [ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel())]
     for qmap, table, _, _, threshold in tables:
         args += [ctypes.c_void_p(qmap), ctypes.c_void_p(table), ctypes.c_void_p(threshold)]
-    results = [fn(*args, ctypes.c_int(state), ctypes.c_int(lanes)) for state in (0, 1)]
-    if -1 in results:
+    gen = torch.Generator().manual_seed(0)
+    keys = [int(k) & (2**64 - 1) for k in torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, generator=gen)]
+    places = [(0, 0), (2**32 - y.numel() // 2 - 5, 0), (5 << 32 | 12345, 0), (7 << 32, 1), (2**64 - 2**32, 1)]
+    results = {(state, key, base, wrap): fn(*args, ctypes.c_int(state), ctypes.c_int(lanes), ctypes.c_uint64(key),
+                                            ctypes.c_uint64(base), ctypes.c_int(wrap))
+               for state in (0, 1) for key in keys for base, wrap in places}
+    if -1 in results.values():
         pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
-    assert results == [0, 0]
+    assert results == {case: 0 for case in results}
 
 
 _MAP8_CHECK = _SCALAR_CODE + r"""
@@ -709,7 +725,7 @@ int64_t map8_mismatches(const float *y, int64_t n, const float *qmap0, const int
             c[q] = state == 0 ? CODE8(0, _mm256_loadu_ps(y + k + 8 * q), 0)
                            : CODE8(1, _mm256_loadu_ps(y + k + 8 * q), 0);
         store_codes32(c, got);
-        for (int i = 0; i < 32; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1);
+        for (int i = 0; i < 32; i++) bad += got[i] != scalar_code(y[k + i], state, qmap0, tab0, qmap1, tab1, 0, 0);
     }
     return bad;
 #else

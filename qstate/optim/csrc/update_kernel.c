@@ -8,6 +8,7 @@
  *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
  *                                        is written rounded to nearest even, or with PARAM_SR
  *                                        stochastically: store_p_sr, from the caller's key)
+ *                                        (ANY_SR, PARAM_SR or an S<i>_SR: the call reads keys and starts)
  *   NSTATES                              number of quantized states (1..3)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
@@ -33,8 +34,11 @@
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
- * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8;
- * a PARAM_SR parameter's random bits are this kernel's own (param_draw).
+ * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
+ * Stochastic rounding draws by position (qstate/formats/_rounding.py): the element at flat index n of the
+ * full tensor (``starts`` + row * row_len + column) draws position_hash(key, n), from the caller's 64-bit key
+ * for a PARAM_SR parameter (param_draw: its top 16 bits), from STATE_KEY(key, i) for state i (stochastic_code,
+ * and the vector 4-bit encodes' sr_draw_W: the same draws lane by lane).
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
  * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
@@ -208,8 +212,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #endif
 }
 
-/* Stochastic rounding of y onto the sorted map from its nearest code c (qstate/formats/_rounding.py:
- * lowbias32 hash of y's bits; up with probability (y - lo) / (hi - lo); exact on map entries). */
+/* Chris Wellons' lowbias32: the 32-bit mix of every stochastic-rounding draw (qstate/formats/_rounding.py) */
 static inline uint32_t lowbias32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
@@ -218,16 +221,31 @@ static inline uint32_t lowbias32(uint32_t x) {
     return x ^ (x >> 16);
 }
 
+/* whether the kernel draws (stochastic rounding of the parameter or of any state): then it reads the
+ * caller's ``keys`` and ``starts`` */
+#define SR_OR_(i) || S##i##_SR
+#define ANY_SR (PARAM_SR FOR_STATES(SR_OR_))
+
+/* The 32-bit draw of the element at flat index lo | hi << 32 of the full tensor under the 64-bit key
+ * (qstate.formats.position_hash32): lowbias32(lowbias32(lo ^ key_lo) ^ hi ^ key_hi). For one key and hi both
+ * hashes are bijections of lo: every element of a tensor (below 2**32 of them) gets its own hash. */
+static inline uint32_t position_hash(uint64_t key, uint32_t lo, uint32_t hi) {
+    return lowbias32(lowbias32(lo ^ (uint32_t)key) ^ hi ^ (uint32_t)(key >> 32));
+}
+static inline uint32_t position_hash64(uint64_t key, uint64_t n) {
+    return position_hash(key, (uint32_t)n, (uint32_t)(n >> 32));
+}
+
+/* the draw key of state i under the parameter's key (qstate.formats.state_key: key ^ (i + 1) * the golden
+ * ratio step, mod 2**64) */
+#define STATE_KEY(key, i) ((uint64_t)(key) ^ ((uint64_t)((i) + 1) * 0x9E3779B97F4A7C15ull))
+
 #if PARAM_SR
 /* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_rounding.py's rule (round the magnitude up
  * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
- * C kernel's own draws: param_draw of the caller's 64-bit key (one per parameter and step) and the
- * element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). For one key and
- * hi the inner and outer hashes are bijections of lo: every element of a parameter (below 2**32 of them)
- * gets its own 32-bit hash, of which the draw is the top 16 bits. */
-static inline uint32_t param_draw(uint64_t key, uint32_t lo, uint32_t hi) {
-    return lowbias32(lowbias32(lo ^ (uint32_t)key) ^ hi ^ (uint32_t)(key >> 32)) >> 16;
-}
+ * C kernel's own draws: the top 16 bits of position_hash of the caller's 64-bit key (one per parameter and
+ * step) and the element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). */
+static inline uint32_t param_draw(uint64_t key, uint32_t lo, uint32_t hi) { return position_hash(key, lo, hi) >> 16; }
 
 static inline uint16_t store_p_sr(float x, uint32_t draw) {
     const uint32_t u = f2u(x), truncated = u & 0xffff0000u;
@@ -235,24 +253,39 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
 }
 #endif
 
-/* stochastic_code's draw, (float)(lowbias32(bits of y) >> 8), in each 32-bit lane of a W-bit vector (W:
- * 512 or 256, the intrinsics' width; defined for the widths the build has, before their map4_code) */
-#define DEFINE_SR_DRAW(W)                                                                 \
-    static inline __m##W sr_draw_##W(__m##W y) {                                          \
-        __m##W##i h = _mm##W##_castps_si##W(y);                                           \
+/* stochastic_code's draws by position in each 32-bit lane of a W-bit vector (W: 512 or 256, the intrinsics'
+ * width; defined for the widths the build has, before their map4_code): (float)(position_hash(key, n) >> 8)
+ * for the lanes' flat indices n = base + lane, lane = 0 .. W / 32 - 1 (``lanes``: those numbers), the low
+ * word's carry into the high word where it wraps (unsigned n_lo < base_lo, as a signed compare of both with
+ * their top bits flipped: AVX2 has no unsigned compare; a carry lane is -1, subtracted) */
+#define DEFINE_LOWBIAS32(W)                                                               \
+    static inline __m##W##i lowbias32_##W(__m##W##i h) {                                  \
         h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
         h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x7feb352du));           \
         h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 15));                            \
         h = _mm##W##_mullo_epi32(h, _mm##W##_set1_epi32((int32_t)0x846ca68bu));           \
-        h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
-        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(h, 8));                           \
+        return _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                         \
+    }
+#define DEFINE_SR_DRAW(W, CARRY)                                                          \
+    DEFINE_LOWBIAS32(W)                                                                   \
+    static inline __m##W sr_draw_##W(uint64_t key, uint64_t base, __m##W##i lanes) {      \
+        const __m##W##i flip = _mm##W##_set1_epi32((int32_t)0x80000000u);                 \
+        const __m##W##i base_lo = _mm##W##_set1_epi32((int32_t)(uint32_t)base);           \
+        const __m##W##i n_lo = _mm##W##_add_epi32(base_lo, lanes);                        \
+        const __m##W##i carry = CARRY(_mm##W##_xor_si##W(base_lo, flip), _mm##W##_xor_si##W(n_lo, flip)); \
+        const __m##W##i n_hi = _mm##W##_sub_epi32(_mm##W##_set1_epi32((int32_t)(uint32_t)(base >> 32)), carry); \
+        __m##W##i h = lowbias32_##W(_mm##W##_xor_si##W(n_lo, _mm##W##_set1_epi32((int32_t)(uint32_t)key))); \
+        h = _mm##W##_xor_si##W(h, _mm##W##_xor_si##W(n_hi, _mm##W##_set1_epi32((int32_t)(uint32_t)(key >> 32)))); \
+        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(lowbias32_##W(h), 8));            \
     }
 
-static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n) {
+/* Stochastic rounding of y onto the sorted map from its nearest code c, with the 32-bit draw h (by position:
+ * position_hash; qstate/formats/_rounding.py): up with probability (y - lo) / (hi - lo); exact on map entries. */
+static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n, uint32_t h) {
     c -= qmap[c] > y;
     c = c < 0 ? 0 : (c > n - 2 ? n - 2 : c);
     const float lo = qmap[c], hi = qmap[c + 1];
-    const float draw = (float)(lowbias32(f2u(y)) >> 8);
+    const float draw = (float)(h >> 8);
     const int32_t up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * 16777216.0f));
     return c + up;
 }
@@ -301,8 +334,8 @@ static inline float normalized(float x, float div, float max_code) {
 #define NORMALIZED(i, x) normalized((x), div, S##i##_MAXCODE)
 
 /* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
- * then stochastic rounding for S<i>_SR states. */
-#define ENCODE(i, y, out)                                                              \
+ * then stochastic rounding for S<i>_SR states with the 32-bit draw h (evaluated only for those: SR_HASH) */
+#define ENCODE(i, y, out, h)                                                           \
     do {                                                                               \
         if (S##i##_FP8) {                                                              \
             (out) = fp8_code((y), S##i##_SIGNED);                                      \
@@ -316,7 +349,7 @@ static inline float normalized(float x, float div, float max_code) {
         int32_t low_ = (int32_t)(bits_ & ((1u << S##i##_SHIFT) - 1u));                 \
         low_ = neg_ ? (int32_t)((1u << S##i##_SHIFT) - 1u) - low_ : low_;              \
         int32_t c_ = (entry_ & 0xFF) + (low_ > (entry_ >> 8));                          \
-        if (S##i##_SR) c_ = stochastic_code((y), c_, qmap##i, S##i##_N);                \
+        if (S##i##_SR) c_ = stochastic_code((y), c_, qmap##i, S##i##_N, (h));          \
         else if (!S##i##_SIGNED) c_ = (c_ == S##i##_ZERO && (y) > 0.0f) ? c_ + 1 : c_; \
         (out) = (uint8_t)c_;                                                           \
     } while (0)
@@ -563,8 +596,10 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
  * nearest (sr = 0) the code thresholds t_0..t_14 (_cpu_kernel._encode_thresholds: an unsigned state's
  * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does), whose count is the nearest
  * code; with stochastic rounding the map's entries q_1..q_15, whose count c (capped at 14) has
- * q_c < y <= q_c+1, then stochastic_code's steps (qmap: the map's 16 values), as map4_code8 explains. */
-DEFINE_SR_DRAW(512)
+ * q_c < y <= q_c+1, then stochastic_code's steps (qmap: the map's 16 values), as map4_code8 explains, with
+ * the draws of the flat indices base .. base + 15 under the state's key (sr_draw_512). */
+#define CARRY_512(a, b) _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask((a), (b)), _mm512_set1_epi32(-1))
+DEFINE_SR_DRAW(512, CARRY_512)
 
 static inline __m512 map4_search16(const float *restrict thr, const float *restrict qmap, int sr) {
     if (!sr) return _mm512_loadu_ps(thr);
@@ -572,7 +607,7 @@ static inline __m512 map4_search16(const float *restrict thr, const float *restr
                                  _mm512_loadu_ps(qmap));
 }
 
-static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr) {
+static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr, uint64_t key, uint64_t base) {
     __m512i c = _mm512_setzero_si512();
     for (int step = 8; step >= 1; step /= 2) {
         const __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32(step - 1)), s);
@@ -582,7 +617,7 @@ static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr) {
     const __m512i one = _mm512_set1_epi32(1);
     c = _mm512_min_epi32(c, _mm512_set1_epi32(14));
     const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
-    const __m512 draw = sr_draw_512(y);
+    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
                          (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
                           _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
@@ -617,15 +652,17 @@ static inline search4_t map4_search8(const float *restrict thr, const float *res
     return make_search4(sr ? qmap + 1 : thr);
 }
 
-DEFINE_SR_DRAW(256)
+DEFINE_SR_DRAW(256, _mm256_cmpgt_epi32)
 
 /* map4_code16 on 8 values: the same four halvings (c + step - 1 is the entry of s compared), each reading its
  * candidates from one register (s: map4_search8's); qmap: the map's values as halves (q[0..7], q[8..15]). With
  * stochastic rounding (sr) the search counts the entries q_1..q_15 below y, so q_c < y <= q_c+1 once c is capped
- * at 14 (the map holds y: q_0 = -1, q_15 = 1), and stochastic_code's steps follow. Its own start (the nearest
+ * at 14 (the map holds y: q_0 = -1, q_15 = 1), and stochastic_code's steps follow, with the draws of the flat
+ * indices base .. base + 7 under the state's key (sr_draw_256). Its own start (the nearest
  * code, one down if that entry is above y) is the same pair of a strictly increasing map, but for y equal to an
  * entry q_c: the pair from q_c, where this one is the pair below; both give c (y > lo fails, or y >= hi holds). */
-static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr) {
+static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr, uint64_t key,
+                                 uint64_t base) {
 #define STEP4(t, step) \
     _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, (t), _CMP_GT_OQ)), _mm256_set1_epi32(step))
     __m256i c = STEP4(s->t7, 8);
@@ -637,7 +674,7 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
     const __m256i one = _mm256_set1_epi32(1);
     c = _mm256_min_epi32(c, _mm256_set1_epi32(14));
     const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
-    const __m256 draw = sr_draw_256(y);
+    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __m256 up = _mm256_or_ps(
         _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
         _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
@@ -827,14 +864,14 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define FLUSH_ENC8(i)                                                                     \
     if (ENC8(i) && pend_out##i) encode8_finish(&pend##i, thr##i, pend_out##i);
 /* 4-bit codes of x[j0..] / div, 16 at a time (8 bytes at bp + j0 / 2), while 16 remain (j0 moves past
- * them; the scalar loop takes the rest; ENC4_VECTOR_BLOCK) */
-#define ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                             \
+ * them; the scalar loop takes the rest; ENC4_VECTOR_BLOCK); n0: x[0]'s flat index (the draws' place) */
+#define ENCODE4_VECTOR(i, x, bn, div, bp, j0, n0)                                         \
     if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
         const __m512 t_ = map4_search16(st[i].threshold, qmap##i, S##i##_SR);              \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
             const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
-            const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR);                        \
+            const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR, skey##i, (n0) + (uint64_t)(j0)); \
             /* code 2k | code 2k + 1 << 4 in the low byte of each 64-bit lane */         \
             _mm_storel_epi64((__m128i *)((bp) + (j0) / 2),                                \
                              _mm512_cvtepi64_epi8(_mm512_or_si512(c_, _mm512_srli_epi64(c_, 28)))); \
@@ -852,7 +889,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
 #define FLUSH_ENC8(i)
-#define ENCODE4_VECTOR(i, x, bn, div, bp, j0)
+#define ENCODE4_VECTOR(i, x, bn, div, bp, j0, n0)
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
 #if HAVE_AVX2
@@ -877,27 +914,35 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
         for (; (j0) + 8 <= (bn); (j0) += 8) store_codes8(CODE8(i, DIV8(x, j0), bounded), (out) + (j0)); \
     }
-/* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain (ENC4_VECTOR_BLOCK) */
-#define ENCODE4_AVX2(i, x, bn, div, bp, j0)                                               \
+/* 4-bit codes of x[j0..] / div, 8 at a time (4 bytes at bp + j0 / 2), while 8 remain (ENC4_VECTOR_BLOCK; n0:
+ * x[0]'s flat index) */
+#define ENCODE4_AVX2(i, x, bn, div, bp, j0, n0)                                           \
     if (ENC4_VECTOR_BLOCK(i, div)) {                                                      \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
         const search4_t s_ = map4_search8(st[i].threshold, qmap##i, S##i##_SR);            \
         const __m256 q_[2] = {_mm256_loadu_ps(qmap##i), _mm256_loadu_ps(qmap##i + 8)};   \
         for (; (j0) + 8 <= (bn); (j0) += 8)                                               \
-            store_nibbles8(map4_code8(DIV8(x, j0), &s_, q_, S##i##_SR), (bp) + (j0) / 2); \
+            store_nibbles8(map4_code8(DIV8(x, j0), &s_, q_, S##i##_SR, skey##i, (n0) + (uint64_t)(j0)), \
+                           (bp) + (j0) / 2);                                      \
     }
 #else
 #define ENCODE8_AVX2(i, x, bn, div, out, j0)
-#define ENCODE4_AVX2(i, x, bn, div, bp, j0)
+#define ENCODE4_AVX2(i, x, bn, div, bp, j0, n0)
 #endif
 
+/* the draw of state i's element at flat index n (uint64_t; skey##i: the state's key) */
+#define SR_HASH(i, n) position_hash64(skey##i, (uint64_t)(n))
+/* state i's draw key (STATE_KEY) under the parameter's key */
+#define DECLARE_SKEY(i) const uint64_t skey##i = STATE_KEY(key, i); (void)skey##i;
 /* state i's new scales and codes in [c0, c0 + len) of row r */
 #define ENCODE_STATE(i) ENCODE_BLOCKS(i) FLUSH_ENC8(i)
 /* absmax of each block of state i in [c0, c0 + len) of row r (from the group maxima); new scales; codes */
 #define ENCODE_BLOCKS(i)                                                                  \
     for (int64_t b0 = c0; !S##i##_PLAIN && b0 < c0 + len; b0 += S##i##_BS) {              \
         const int64_t bn = (c0 + len - b0) < S##i##_BS ? (c0 + len - b0) : S##i##_BS;     \
-        const float *restrict x = newv##i + (b0 - c0);                          \
+        const float *restrict x = newv##i + (b0 - c0);                                    \
+        const uint64_t n0 = (uint64_t)(row_start + b0); /* x[0]'s flat index */          \
+        (void)n0;                                                                         \
         /* the block's absmax: the max of its groups' (GROUP divides the block size) */   \
         uint32_t abits = 0;                                                               \
         for (int64_t k = (b0 - c0) / GROUP; k < (b0 - c0 + bn + GROUP - 1) / GROUP; k++)  \
@@ -922,25 +967,25 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0; j < bn; j++) {                                           \
                 uint8_t c;                                                                \
-                ENCODE(i, NORMALIZED(i, x[j]), c);                                        \
+                ENCODE(i, NORMALIZED(i, x[j]), c, SR_HASH(i, n0 + j));                    \
                 cp[b0 + j] = c;                                                           \
             }                                                                             \
         } else {                                                                          \
             uint8_t *restrict bp = cp + b0 / 2;                                           \
             const int64_t pairs = bn / 2;                                                 \
             int64_t j0 = 0;                                                               \
-            ENCODE4_VECTOR(i, x, bn, div, bp, j0)                                         \
-            ENCODE4_AVX2(i, x, bn, div, bp, j0)                                           \
+            ENCODE4_VECTOR(i, x, bn, div, bp, j0, n0)                                     \
+            ENCODE4_AVX2(i, x, bn, div, bp, j0, n0)                                       \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
             for (int64_t j = j0 / 2; j < pairs; j++) {                                    \
                 uint8_t lo, hi;                                                           \
-                ENCODE(i, NORMALIZED(i, x[2 * j]), lo);                                   \
-                ENCODE(i, NORMALIZED(i, x[2 * j + 1]), hi);                               \
+                ENCODE(i, NORMALIZED(i, x[2 * j]), lo, SR_HASH(i, n0 + 2 * j));           \
+                ENCODE(i, NORMALIZED(i, x[2 * j + 1]), hi, SR_HASH(i, n0 + 2 * j + 1));   \
                 bp[j] = (uint8_t)(lo | (hi << 4));                                        \
             }                                                                             \
             if (bn & 1) {                                                                 \
                 uint8_t lo;                                                               \
-                ENCODE(i, NORMALIZED(i, x[bn - 1]), lo);                                  \
+                ENCODE(i, NORMALIZED(i, x[bn - 1]), lo, SR_HASH(i, n0 + (bn - 1)));       \
                 bp[pairs] = lo;                                                           \
             }                                                                             \
         }                                                                                 \
@@ -948,7 +993,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 
 /* One row segment [c0, c0 + len) (len <= UNIT, c0 a multiple of UNIT); ``row_start``: the flat index of the
  * row's first element in the full tensor, ``key``: the parameter's stochastic-rounding key (both read only
- * with PARAM_SR). */
+ * with ANY_SR: the parameter's draws take the key itself, state i's STATE_KEY(key, i)). */
 static void update_segment(param_t *restrict p, const grad_t *restrict g, const qstate_t *st, const float *h,
                            const planes_t *planes, const enc8_t *enc, int64_t r, int64_t c0, int64_t len,
                            int64_t row_start, uint64_t key) {
@@ -991,6 +1036,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         FOR_STATES(SAVE_GMAX)
     }
     FOR_STATES(DECLARE_ENC8)
+    FOR_STATES(DECLARE_SKEY)
     FOR_STATES(ENCODE_STATE)
 }
 
@@ -1000,7 +1046,8 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
  * share the kind's tables (those of st[0 .. NSTATES-1]). ``keys``: each parameter's stochastic-rounding
  * key, ``starts``: the flat index of its first element in the full tensor it is a part of (a DTensor shard's
  * first row times row_len; 0 for a whole tensor), so that an element's draw depends on its place in the full
- * tensor, not on the sharding (both read only with PARAM_SR; else may be NULL). */
+ * tensor, not on the sharding (both read only with ANY_SR: stochastic rounding of the parameter or of a
+ * state; else may be NULL). */
 void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, const qstate_t *st, const float *h,
                         const int64_t *rows, const int64_t *row_len, int64_t *first, int nthreads,
                         const uint64_t *keys, const int64_t *starts) {
@@ -1023,7 +1070,7 @@ void qstate_update_many(int64_t n, param_t *const *p, const grad_t *const *g, co
         const int64_t r = local / segs, c0 = (local % segs) * UNIT;
         const int64_t len = (row_len[k] - c0) < UNIT ? (row_len[k] - c0) : UNIT;
         update_segment(p[k] + r * row_len[k], g[k] + r * row_len[k], st + k * NSTATES, h, planes, enc, r, c0, len,
-                       PARAM_SR ? starts[k] + r * row_len[k] : 0, PARAM_SR ? keys[k] : 0);
+                       ANY_SR ? starts[k] + r * row_len[k] : 0, ANY_SR ? keys[k] : 0);
     }
 }
 
