@@ -710,6 +710,59 @@ def test_4bit_vector_encode_equals_the_scalar_encode(tmp_path, lanes):
     assert results == {case: 0 for case in results}
 
 
+def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Tensor:
+    """The codes (one per element) of the stochastically rounded first moment after one C-kernel AdamW step
+    from zero states with beta1 = 0 (so the new first moment is ``g`` exactly: torch.lerp's form for weight 1
+    adds -0 * (g - 0)), run with the given key and start."""
+    p = torch.zeros_like(g)
+    bs = 64 if fmt == "4bit" else 100
+    states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
+              qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
+    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
+    assert _cpu_kernel.supports(spec, p.device, g.dtype) and _cpu_kernel.draws(spec) and not spec.param_sr
+    # lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound
+    hyper = [1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0]
+    with cpu_kernel_enabled(True):
+        _cpu_kernel.run(spec, p, g, states, hyper, key, start)
+    codes = states[0].codes
+    if fmt == "4bit":
+        codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)[:, :g.shape[1]]
+    return codes.long()
+
+
+@pytest.mark.parametrize("fmt", ["4bit", "8bit"])
+def test_state_stochastic_rounding_draws_by_position(fmt):
+    # the C kernel's stochastic rounding of a state is qstate.formats.stochastic_code with the draws
+    # position_hash32(state_key(key, i), n) of each element's flat index n = start + row * row_len + column
+    # (state i = 0: the first moment); ragged rows (vector loops, then scalar tails) and a start just below
+    # 2**32, so that the low word of n wraps inside a row (the carry into the high word)
+    from qstate.formats import position_hash32, state_key, stochastic_code
+    from qstate.optim._codec import get_codec
+
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 203, generator=gen) * 10 ** (2 * torch.rand(3, 203, generator=gen) - 1)
+    key, start = 0x9A3F_1C2B_7D4E_5F60, 2**32 - 300
+    codes = _sr_state_codes(fmt, g, key, start)
+    # the reference: y = g / the block's absmax, the floor code by search, then the spec's rounding
+    bs = 64 if fmt == "4bit" else 100
+    qmap = get_codec(fmt, True, "cpu").qmap
+    blocks = torch.nn.functional.pad(g, (0, -g.shape[1] % bs)).reshape(3, -1, bs)
+    scale = blocks.abs().amax(-1, keepdim=True)
+    y = (blocks / scale).reshape(3, -1)[:, :g.shape[1]].contiguous()
+    nearest = torch.searchsorted(qmap, y).clamp(max=qmap.numel() - 1)
+    n = start + torch.arange(g.numel(), dtype=torch.int64).reshape(g.shape)
+    draws = position_hash32(state_key(key, 0), n)
+    ref = stochastic_code(y, nearest, qmap, draws)
+    assert torch.equal(codes, ref)
+    assert not torch.equal(codes, stochastic_code(y, nearest, qmap, None))  # not by value
+    # another start or key moves the draws: some codes change, the rest stays as the reference has it
+    for other_key, other_start in ((key, start + 1), (key ^ 1 << 40, start)):
+        other = _sr_state_codes(fmt, g, other_key, other_start)
+        n = other_start + torch.arange(g.numel(), dtype=torch.int64).reshape(g.shape)
+        assert not torch.equal(other, codes)
+        assert torch.equal(other, stochastic_code(y, nearest, qmap, position_hash32(state_key(other_key, 0), n)))
+
+
 _MAP8_CHECK = _SCALAR_CODE + r"""
 /* how many of the n values y[] (n a multiple of 32) get another code from the AVX2 encode of 8-bit map states
  * (table_code8 through CODE8, and store_codes32) than from the scalar ENCODE, for state ``state`` (0: signed,
