@@ -269,14 +269,19 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
 #define DEFINE_SR_DRAW(W, CARRY)                                                          \
     DEFINE_LOWBIAS32(W)                                                                   \
     static inline __m##W sr_draw_##W(uint64_t key, uint64_t base, __m##W##i lanes) {      \
-        const __m##W##i flip = _mm##W##_set1_epi32((int32_t)0x80000000u);                 \
-        const __m##W##i base_lo = _mm##W##_set1_epi32((int32_t)(uint32_t)base);           \
+        const uint32_t lo = (uint32_t)base, hi_key = (uint32_t)(base >> 32) ^ (uint32_t)(key >> 32); \
+        const __m##W##i base_lo = _mm##W##_set1_epi32((int32_t)lo);                       \
         const __m##W##i n_lo = _mm##W##_add_epi32(base_lo, lanes);                        \
-        const __m##W##i carry = CARRY(_mm##W##_xor_si##W(base_lo, flip), _mm##W##_xor_si##W(n_lo, flip)); \
-        const __m##W##i n_hi = _mm##W##_sub_epi32(_mm##W##_set1_epi32((int32_t)(uint32_t)(base >> 32)), carry); \
+        /* n_hi ^ key_hi: one value unless the low word wraps in this vector (rare: a branch) */ \
+        __m##W##i hi = _mm##W##_set1_epi32((int32_t)hi_key);                              \
+        if (lo > 0xffffffffu - (W / 32 - 1)) {                                            \
+            const __m##W##i flip = _mm##W##_set1_epi32((int32_t)0x80000000u);             \
+            const __m##W##i carry = CARRY(_mm##W##_xor_si##W(base_lo, flip), _mm##W##_xor_si##W(n_lo, flip)); \
+            hi = _mm##W##_set1_epi32((int32_t)(uint32_t)(base >> 32));                    \
+            hi = _mm##W##_xor_si##W(_mm##W##_sub_epi32(hi, carry), _mm##W##_set1_epi32((int32_t)(uint32_t)(key >> 32))); \
+        }                                                                                 \
         __m##W##i h = lowbias32_##W(_mm##W##_xor_si##W(n_lo, _mm##W##_set1_epi32((int32_t)(uint32_t)key))); \
-        h = _mm##W##_xor_si##W(h, _mm##W##_xor_si##W(n_hi, _mm##W##_set1_epi32((int32_t)(uint32_t)(key >> 32)))); \
-        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(lowbias32_##W(h), 8));            \
+        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(lowbias32_##W(_mm##W##_xor_si##W(h, hi)), 8)); \
     }
 
 /* Stochastic rounding of y onto the sorted map from its nearest code c, with the 32-bit draw h (by position:
