@@ -37,13 +37,18 @@ def _check_appearance(dtype: torch.dtype, what: str) -> None:
         )
 
 
-def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size: int,
-                 signed: bool, qmap: Optional[Tensor], rounding: str) -> tuple[Tensor, Tensor]:
+def _rows(x: Tensor, rows: int, row_len: int) -> Tensor:
+    """``x`` flattened into ``[rows, row_len]`` (zero-padded at the end)."""
     flat = x.reshape(-1)
     pad = rows * row_len - flat.numel()
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    return f.encode(flat.view(rows, row_len), block_size, signed, qmap, rounding)
+    return flat.view(rows, row_len)
+
+
+def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size: int,
+                 signed: bool, qmap: Optional[Tensor], rounding: str) -> tuple[Tensor, Tensor]:
+    return f.encode(_rows(x, rows, row_len), block_size, signed, qmap, rounding)
 
 
 def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None,
@@ -102,7 +107,12 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
                           block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype, rounding=rounding)
 
 
-def encode_like(q: QuantizedState, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout and rounding -> ``(codes, scale)``."""
-    return _encode_rows(q.fmt, x.to(q.codes.device), q.rows, q.row_len, q.block_size, q.signed, q.qmap,
-                        q.rounding)
+def encode_like(q: QuantizedState, x: Tensor, draws: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout and rounding -> ``(codes, scale)``
+    (``draws``: stochastic rounding's 32-bit draws by position, ``x``'s shape; see
+    :mod:`qstate.formats._rounding`)."""
+    device = q.codes.device
+    if draws is not None:
+        draws = _rows(draws.to(device), q.rows, q.row_len)
+    return q.fmt.encode(_rows(x.to(device), q.rows, q.row_len), q.block_size, q.signed, q.qmap, q.rounding,
+                        draws)

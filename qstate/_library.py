@@ -12,8 +12,8 @@ without importing the optimizers.
   number per parameter (:func:`states_per_param`): ``params[i]``'s are
   ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
   (shared: one step count), ``kind`` names the rule, its static flags,
-  stochastic rounding and compilation. For a kind with stochastic rounding
-  (fused kernels or op by op), ``sr_keys`` gives each parameter's rounding key
+  stochastic rounding and compilation. For a call with stochastic rounding (of a
+  bf16 parameter or of a state; fused kernels or op by op), ``sr_keys`` gives each parameter's rounding key
   (int64, the 64-bit key's two's complement) and ``starts`` the flat index of
   each parameter's first element in its full tensor (DTensor's handler sets
   it for the shards, so that each element's draw depends on its place in the
@@ -24,6 +24,13 @@ without importing the optimizers.
   from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
   DTensor handler: :mod:`qstate.dtensor_rules._random_ops`). Stochastic
   rounding hashes it with a key, so every path and layout draws alike.
+* ``copy_with_draws_(self, src, draws)``: ``self.copy_(src)``, where a quantized
+  ``self`` that rounds stochastically draws by position: ``draws`` holds each
+  element's 32-bit draw (int64 in ``[0, 2**32)``, ``self``'s shape;
+  :mod:`qstate.formats._rounding`), which other states and plain tensors
+  ignore (kernels: :mod:`qstate.ops.copy`; DTensor strategy:
+  :mod:`qstate.dtensor_rules._rounding_ops`). The optimizers' updates write
+  their states with it op by op, so every path draws alike.
 * ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to
   bfloat16 with the integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape
   (kernel: :mod:`qstate.optim._rounding`, DTensor strategy:
@@ -38,7 +45,8 @@ import torch
 
 from typing import Sequence
 
-__all__ = ["LIBRARY", "flat_index_like", "fused_update", "states_per_param", "stochastic_round_bf16"]
+__all__ = ["LIBRARY", "copy_with_draws_", "flat_index_like", "fused_update", "states_per_param",
+           "stochastic_round_bf16"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
@@ -46,6 +54,7 @@ LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] s
                "int[]? sr_keys=None, int[]? starts=None) -> ()")
 
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
+LIBRARY.define("copy_with_draws_(Tensor(a!) self, Tensor src, Tensor draws) -> ()")
 LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
 
 
@@ -60,12 +69,18 @@ def _flat_index_like_fake(self):
     return torch.empty_like(self, dtype=torch.int64, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("qstate::copy_with_draws_", lib=LIBRARY)
+def _copy_with_draws_fake(self, src, draws) -> None:
+    return None
+
+
 @torch.library.register_fake("qstate::stochastic_round_bf16", lib=LIBRARY)
 def _stochastic_round_bf16_fake(x, draws):
     return torch.empty_like(x, dtype=torch.bfloat16)
 
 fused_update = torch.ops.qstate.fused_update.default
 flat_index_like = torch.ops.qstate.flat_index_like.default
+copy_with_draws_ = torch.ops.qstate.copy_with_draws_.default
 stochastic_round_bf16 = torch.ops.qstate.stochastic_round_bf16.default
 
 

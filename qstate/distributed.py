@@ -72,6 +72,16 @@ def _quantized_state_type() -> type:
     return QuantizedState
 
 
+def rounds_stochastically(t: Tensor) -> bool:
+    """Whether ``t`` is a quantized state with stochastic rounding (a :class:`~qstate.QuantizedState`,
+    or a DTensor over one, a simulated rank's ``LocalTensor`` included)."""
+    local = local_of(t)
+    shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
+    if isinstance(shards, dict) and shards:
+        local = next(iter(shards.values()))
+    return isinstance(local, _quantized_state_type()) and local.rounding == "stochastic"
+
+
 def state_kind(t: Tensor) -> str:
     """``"<format> <signed|unsigned> block_size=<n>"`` or ``"plain <dtype>"`` of a state, DTensor or not.
 

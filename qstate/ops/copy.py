@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
+from .._library import LIBRARY, copy_with_draws_
 from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
 from ._registry import register
@@ -20,8 +23,9 @@ def _parts(q: QuantizedState) -> list[torch.Tensor]:
     return [q.codes, q.scale] + ([] if q.qmap is None else [q.qmap])
 
 
-def copy_into_state(dst: QuantizedState, src: torch.Tensor) -> QuantizedState:
-    """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged."""
+def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torch.Tensor] = None) -> QuantizedState:
+    """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged. ``draws``:
+    stochastic rounding's draws by position for a float ``src`` (``qstate::copy_with_draws_``)."""
     if isinstance(src, QuantizedState):
         check_same_kind("copy_", dst, src)
         if tuple(src.shape) != tuple(dst.shape) or (src.rows, src.row_len) != (dst.rows, dst.row_len):
@@ -39,7 +43,10 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor) -> QuantizedState:
             raise ValueError(
                 f"copy_: expected a source of shape {tuple(dst.shape)}, got {tuple(src.shape)} [{dst.describe()}]"
             ) from None
-        codes, scale = encode_like(dst, src)
+        if draws is not None and tuple(draws.shape) != tuple(dst.shape):
+            raise ValueError(f"copy_with_draws_: expected draws of shape {tuple(dst.shape)}, got "
+                             f"{tuple(draws.shape)} [{dst.describe()}]")
+        codes, scale = encode_like(dst, src, draws if dst.rounding == "stochastic" else None)
     dst.codes.copy_(codes)
     dst.scale.copy_(scale)
     return dst
@@ -52,6 +59,24 @@ def _copy(func, args, kwargs):
     if isinstance(dst, QuantizedState):
         return copy_into_state(dst, src)
     return dst.copy_(src.dequantize(torch.float32))
+
+
+# the optimizers' op-by-op updates writing a state whose stochastic rounding draws by position
+@register(copy_with_draws_)
+def _copy_with_draws(func, args, kwargs):
+    dst, src, draws = args
+    if isinstance(dst, QuantizedState):
+        copy_into_state(dst, src, draws)
+    else:  # a plain dst, a quantized src: the src's values
+        dst.copy_(src.dequantize(torch.float32))
+
+
+def _copy_with_draws_plain(self: torch.Tensor, src: torch.Tensor, draws: torch.Tensor) -> None:
+    """``qstate::copy_with_draws_``'s kernel for plain tensors: a plain ``copy_`` (no draws to use)."""
+    self.copy_(src)
+
+
+LIBRARY.impl("copy_with_draws_", _copy_with_draws_plain, "CompositeExplicitAutograd")
 
 
 # Tensor.to(device) (moves the state) and Tensor.to(dtype) (reads it as plain values)

@@ -114,6 +114,46 @@ def test_optimizer_ops_on_dtensor_states_match_unsharded(rows, cols, fmt, mesh_s
                 assert torch.equal(f.dequantize(), ref.dequantize())
 
 
+
+@settings(max_examples=25)
+@given(rows=st.integers(1, 23), cols=st.integers(1, 200), fmt=st.sampled_from(sorted(qstate.formats.FORMATS)),
+       mesh_shape=_meshes(), data=st.data())
+def test_copy_with_draws_on_dtensor_states_matches_unsharded(rows, cols, fmt, mesh_shape, data):
+    # qstate::copy_with_draws_ (the optimizers' op-by-op state write) shard by shard, no collectives: the
+    # same codes as the unsharded write, each element rounding by its own draw; by-value (copy_) and by-position
+    # stochastic writes differ
+    g = torch.Generator().manual_seed(rows + 7 * cols)
+    x = torch.randn(rows, cols, generator=g)
+    draws = torch.randint(0, 2**32, (rows, cols), generator=g)
+    rounding = _rounding(data.draw, fmt, True)
+    ref = qstate.zeros_like(x, fmt, rounding=rounding, dtype=torch.float32)
+    torch.ops.qstate.copy_with_draws_(ref, x, draws)
+    by_value = qstate.quantize(x, fmt, rounding=rounding)
+    if rounding == "nearest":
+        assert torch.equal(ref.codes, by_value.codes)
+    with local_tensor.LocalTensorMode(WORLD) as mode:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        placements = data.draw(placements_for(len(mesh_shape)))
+        xd, drawsd = distribute_tensor(x, mesh, placements), distribute_tensor(draws, mesh, placements)
+        qd = qstate.zeros_like(xd, fmt, rounding=rounding)
+        with CommDebugMode() as comm:
+            torch.ops.qstate.copy_with_draws_(qd, xd, drawsd)
+        assert comm.get_total_counts() == 0
+        full = qd.full_tensor()
+        with mode.disable():
+            for f in _ranks(full):
+                assert f.rounding == rounding
+                assert torch.equal(f.codes, ref.codes) and torch.equal(f.scale, ref.scale)
+
+
+def test_copy_with_draws_checks_the_draws_shape_before_writing():
+    q = qstate.zeros_like(torch.empty(4, 64), "4bit", rounding="stochastic", dtype=torch.float32)
+    before = q.codes.clone()
+    with pytest.raises(ValueError, match=r"copy_with_draws_: expected draws of shape \(4, 64\), got \(4, 32\)"):
+        torch.ops.qstate.copy_with_draws_(q, torch.randn(4, 64), torch.zeros(4, 32, dtype=torch.int64))
+    assert torch.equal(q.codes, before)
+
+
 class TestDTensorStatePins(expecttest.TestCase):
     def test_full_tensor_collectives_8bit_two_ranks(self):
         with local_tensor.LocalTensorMode(WORLD):
