@@ -37,16 +37,18 @@ argument checks and static flags; everything else lives here:
   ``found_inf`` when no scaler gave one (:func:`qstate.amp.found_non_finite`:
   one read of the gradients, one all-reduce per mesh), so such a step is
   skipped on every rank.
-* **stochastic rounding** of bfloat16 parameters: the random stream is the
+* **stochastic rounding** of bfloat16 parameters and of states (signed
+  ``4bit`` states by default): the random stream is the
   optimizer's own, a function of ``(seed, param group index, step)`` only: the
-  generator of each device is seeded from them for the group's update (and the
-  global one restored afterwards). ``seed`` (given, or drawn from the global
+  generators of the CPU (which draws each parameter's key) and of each
+  parameter's device are seeded from them for the group's update (and the
+  global ones restored afterwards). ``seed`` (given, or drawn from the global
   generator at construction) is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
   Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
   initialized with more than one rank, the first step of an optimizer that
-  rounds (a group with ``bf16_stochastic_round``) broadcasts rank 0's drawn seed
+  rounds (a group with ``bf16_stochastic_round`` or stochastic states) broadcasts rank 0's drawn seed
   over the default process group (:meth:`_agree_seed`: one collective, once,
   on every rank, so every rank must step its optimizers alike; constructing one
   issues none) and every group that took the drawn seed takes rank 0's. A given
@@ -131,6 +133,21 @@ def state_rounding(fmt: str, signed: bool, option: Optional[str]) -> str:
     return option
 
 
+def _rounds_states_stochastically(group: dict) -> bool:
+    """Whether ``group``'s quantized signed states round stochastically (:func:`state_rounding`)."""
+    fmt = group["state_format"]
+    return fmt not in PLAIN_FORMATS and state_rounding(fmt, True, group["state_rounding"]) == "stochastic"
+
+
+def _rounds_stochastically(group: dict) -> bool:
+    """Whether ``group``'s step draws from its rounding stream: bf16 parameters or states rounding
+    stochastically."""
+    return group["bf16_stochastic_round"] or _rounds_states_stochastically(group)
+
+
+_CPU = torch.device("cpu")
+
+
 class _Keep:
     """Carries a state tensor through ``Optimizer.load_state_dict`` without its dtype cast."""
 
@@ -184,13 +201,13 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """Give every rank rank 0's drawn seed, once, before the first step that rounds.
 
         Runs only for a seed drawn at construction (``seed=None``), with ``torch.distributed``
-        initialized with more than one rank, and when some group rounds bfloat16 parameters
+        initialized with more than one rank, and when some group rounds bfloat16 parameters or states
         stochastically (the only use of the seed): then every rank broadcasts, once, one int64 from
         rank 0 over the default process group, whatever its parameters or gradients, and each group
         whose seed is this rank's drawn one (not given per group, not loaded) takes rank 0's.
         Invariant afterwards: groups that took the default seed have the same seed on every rank.
         """
-        if not self._seed_drawn or not any(g["bf16_stochastic_round"] for g in self.param_groups):
+        if not self._seed_drawn or not any(_rounds_stochastically(g) for g in self.param_groups):
             return
         self._seed_drawn = False
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -414,6 +431,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             sr_devices: set[torch.device] = set()
             params, grads, states, steps = [], [], [], []
             names = [s.name for s in self.rule.states(self._flags(group))]
+            states_sr = _rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -428,8 +446,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 grads.append(p.grad)
                 states.append([state[n] for n in names])
                 steps.append(state["step"])
-                if group["bf16_stochastic_round"] and p.dtype == torch.bfloat16:
-                    sr_devices.add(p.device)
+                if (group["bf16_stochastic_round"] and p.dtype == torch.bfloat16) or states_sr:
+                    # keys come from the CPU generator, a device's own draws from its generator
+                    sr_devices.update((p.device, _CPU))
             if params:
                 work.append((gi, group, params, grads, states, steps, sr_devices))
         for gi, group, params, grads, states, steps, sr_devices in work:

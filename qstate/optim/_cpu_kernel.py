@@ -37,7 +37,7 @@ run continues the same stream. The inductor kernel draws the same bits from the 
 DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
 tensor (:func:`run`'s ``start`` for a DTensor shard). States rounded stochastically draw from the same key
 and places (the state's :func:`qstate.formats.state_key`, then :func:`qstate.formats.position_hash32`), so a
-kind that rounds any state stochastically takes keys and starts too (:func:`draws`). ``cpu_kernel_enabled(False)`` turns the C kernel
+kind that rounds any state stochastically takes keys and starts too (``KernelSpec.keyed``). ``cpu_kernel_enabled(False)`` turns the C kernel
 off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
@@ -250,13 +250,6 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
 
 
-def draws(spec) -> bool:
-    """Whether the C kernel of ``spec`` draws random bits, and so reads each call's key and start: stochastic
-    rounding of the parameter (``PARAM_SR``) or of any quantized state (``S<i>_SR``, by position under
-    :func:`qstate.formats.state_key` of the key and the state's index)."""
-    return spec.param_sr or any(s.quantized and s.rounding == "stochastic" for s in spec.states)
-
-
 def param_key() -> int:
     """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
     ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
@@ -437,7 +430,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     and layouts), and the :class:`PreparedCall` of this update for the next steps.
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
-    ``key``: the stochastic-rounding key of a kind that draws (:func:`draws`: ``PARAM_SR`` or a state
+    ``key``: the stochastic-rounding key of a kind that draws (``KernelSpec.keyed``: ``PARAM_SR`` or a state
     rounded stochastically; :class:`ParamKeys`; None: a :func:`param_key` drawn now). ``start``: the flat
     index of ``p``'s first element in the full tensor it is a shard of (0: ``p`` is whole); such a kind's
     draws depend on each element's index in the full tensor, so shards of one parameter draw as the whole
@@ -463,8 +456,6 @@ class PreparedCall(PreparedUpdate):
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
                  rows: int, row_len: int, start: int = 0):
         super().__init__(spec, p, g, states, start)
-        #: whether each call takes a key: the kernel draws for the parameter or a state (:func:`draws`)
-        self.sr = draws(spec)
         #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)

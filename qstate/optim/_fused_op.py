@@ -98,17 +98,14 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout,
     ``sr_keys`` and ``starts``).
 
-    With ``sr_keys`` each parameter's draws follow its key and each element's place in the full
-    tensor, in the fused kernels and op by op alike (a kind without stochastic rounding raises before
-    anything is written)."""
+    With ``sr_keys`` each parameter's draws (a bf16 parameter's with stochastic rounding, its states'
+    with stochastic rounding) follow its key and each element's place in the full tensor, in the fused
+    kernels and op by op alike; a parameter that rounds nothing stochastically reads no key."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
-    if sr_keys is not None:  # every parameter checked before any is written
-        if len(sr_keys) != len(params) or (starts is not None and len(starts) != len(params)):
-            raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
-                             f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
-        for i, param in enumerate(params):
-            _check_sr_keys_shard(call, param, i)
+    if sr_keys is not None and (len(sr_keys) != len(params) or (starts is not None and len(starts) != len(params))):
+        raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
+                         f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
     pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
@@ -137,14 +134,6 @@ def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tens
         h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
     # op by op, a key draws as the fused kernels do: by each element's place in the full tensor
     update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round, key, start)
-
-
-def _check_sr_keys_shard(call: FusedCall, param: Tensor, index: int) -> None:
-    """Raise unless ``params[index]``'s update rounds stochastically: what ``sr_keys`` are for."""
-    if not call.stochastic_round:
-        raise RuntimeError(f"qstate::fused_update with sr_keys: params[{index}] ({param.dtype} "
-                           f"{tuple(param.shape)} on {param.device}): sr_keys given to a kind without stochastic "
-                           f"rounding ({call})")
 
 
 LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")

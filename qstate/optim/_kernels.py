@@ -66,7 +66,7 @@ from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
 from .._state import QuantizedState
-from ..formats import block_absmax, get_format
+from ..formats import block_absmax, get_format, position_hash32, state_key
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._prepared import PreparedUpdate
@@ -96,6 +96,13 @@ class KernelSpec(NamedTuple):
     @property
     def quantized(self) -> bool:
         return any(s.quantized for s in self.states)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the kind draws by position under a key (:mod:`qstate.formats._rounding`): it writes a
+        bfloat16 parameter or a state with stochastic rounding. Its kernels then take the key and each
+        element's place (:func:`run_fused`)."""
+        return self.param_sr or any(s.rounding == "stochastic" for s in self.states)
 
     @property
     def param_sr(self) -> bool:
@@ -178,7 +185,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
-        # place, keys (param_sr kinds; else unused): place int64 [N, 2], each block row's index into keys
+        # place, keys (keyed kinds; else unused): place int64 [N, 2], each block row's index into keys
         # (int64 [K]: draw keys, one per parameter; a batch's rows are several parameters') and the flat
         # index of its first element in its full tensor
         rows, nb = p.shape[0], p.shape[1]
@@ -201,14 +208,21 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         p_new, new = rule.math(p.float(), g.float(), prev, h, flags)
 
         new_scales = []
-        for fmt, codec, bs, rounding, value, (codes, scale, tables) in zip(
-                fmts, codecs, block_sizes, roundings, new, states):
+        index = None  # each block row element's flat index in its full tensor (keyed kinds)
+        for i, (fmt, codec, bs, rounding, value, (codes, scale, tables)) in enumerate(zip(
+                fmts, codecs, block_sizes, roundings, new, states)):
             # reduced as [R, NB, ., bs]: a loop nest of its own, apart from the [N, unit] element loops
             absmax = block_absmax(torch.where(valid, value.abs(), 0.0).view(rows, nb, unit // bs, bs))
             new_scale = fmt.scale_of(absmax.view(n, unit // bs))
             y = fmt.normalize(value.view(n, unit // bs, bs), new_scale)
             # padding lanes get arbitrary codes: _BlockSpace.write_back drops them
-            codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding).view(n, unit)))
+            draws = None
+            if rounding == "stochastic":
+                if index is None:
+                    index = place[:, 1].view(n, 1) + torch.arange(unit, dtype=torch.int64, device=p.device)
+                state_keys = keys[place[:, 0]] ^ _STATE_KEY_SALTS[i]
+                draws = position_hash32(state_keys.view(n, 1), index).view(n, unit // bs, bs)
+            codes.copy_(_packed(fmt.bits, codec.encode(y, tables, rounding, draws).view(n, unit)))
             new_scales.append(new_scale)
         draws = None
         if spec.param_sr:
@@ -220,6 +234,10 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         return new_scales
 
     return kernel
+
+
+#: ``state_key(key, i) == key ^ _STATE_KEY_SALTS[i]`` on the kernels' int64 keys (two's complements)
+_STATE_KEY_SALTS = tuple(splitmix64.as_int64(state_key(0, i)) for i in range(8))
 
 
 # ------------------------------------------------------------------ compile once per kind
@@ -630,7 +648,7 @@ def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], 
     prepared call of this update for the next steps (:mod:`._prepared`).
 
     Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results); the others
-    run the compiled inductor kernel of their kind (:class:`PreparedKernelCall`). A ``param_sr`` kind's
+    run the compiled inductor kernel of their kind (:class:`PreparedKernelCall`). A ``keyed`` kind's
     draws hash ``key`` (64 bits; None: :func:`._cpu_kernel.param_key` drawn now) with each element's flat
     index in the full tensor ``p`` is a part of (``start``: its first element's), the same in both kernels
     (:func:`._rounding.position_draws`).
@@ -639,5 +657,5 @@ def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], 
         _cpu_kernel.run(spec, p, g, states, hyper, key, start)
         return
     call = PreparedKernelCall(spec, p, g, states, start)
-    call(p, g, hyper, (_cpu_kernel.param_key() if key is None else key) if spec.param_sr else 0)
+    call(p, g, hyper, (_cpu_kernel.param_key() if key is None else key) if spec.keyed else 0)
     call.register()

@@ -67,7 +67,7 @@ class PreparedUpdate:
         #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
         self.kind = (spec.rule, spec.flags, spec.stochastic_round)
         #: whether each call takes a stochastic-rounding key (:class:`._cpu_kernel.ParamKeys`)
-        self.sr = spec.param_sr
+        self.sr = spec.keyed
         #: the flat index of ``p``'s first element in its full tensor (0: ``p`` is whole)
         self.start = start
         #: the registry key (:func:`_key`)

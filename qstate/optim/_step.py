@@ -32,17 +32,19 @@ The path is chosen once per parameter, in :func:`_apply`:
   On DTensors, DTensor's rule for the op checks that each gradient and state
   shares its parameter's shape, mesh and (non-Partial) placements and runs
   the op on the shards (no collectives); a parameter it rejects
-  (``LayoutMismatch``, before any write) takes the path below. With bf16
-  stochastic rounding the op's ``sr_keys`` are the keys a plain parameter at
+  (``LayoutMismatch``, before any write) takes the path below. With
+  stochastic rounding (of a bf16 parameter, or of a state: 4-bit first
+  moments by default) the op's ``sr_keys`` are the keys a plain parameter at
   that position gets, and every kernel draws by each element's place in the
   full parameter (each shard one range of it: ``Shard(0)``/``Replicate``), so
   the sharded update is the unsharded one on any number of ranks.
 * otherwise (``compile=False``, tensors the op's kernels do not take,
   layouts DTensor's rule rejects): the same math eagerly, op by op. A bf16
-  parameter rounds stochastically with the fused kernels' draws (its key,
-  each element's index in the full parameter: ``qstate::flat_index_like``,
-  which DTensor computes shard by shard for any layout), so every path draws
-  alike. States are read with out-of-place math (plain results) and written
+  parameter and the states round stochastically with the fused kernels' draws
+  (its key, each element's index in the full parameter:
+  ``qstate::flat_index_like``, which DTensor computes shard by shard for any
+  layout; states written with ``qstate::copy_with_draws_``), so every path
+  draws alike. States are read with out-of-place math (plain results) and written
   back with ``state.copy_(new)``, which requantizes a quantized state in
   place into its own layout. Nothing here touches a state's inner tensors or
   a DTensor's local tensor, so each op dispatches through DTensor to the
@@ -67,7 +69,7 @@ import torch
 from torch import Tensor
 
 from .._state import QuantizedState
-from ..distributed import is_dtensor, is_quantized_state
+from ..distributed import is_dtensor, is_quantized_state, rounds_stochastically
 from .. import _splitmix64 as splitmix64
 from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
 from . import _cpu_kernel
@@ -193,31 +195,33 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
-    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr): its lists
+    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr, keyed): its lists
     batches: dict[tuple, _Batch] = {}
     keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
         step = _step_of(s)
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         st = list(st)
+        # draws by position under a key: a bf16 parameter rounding stochastically, or a state
+        key = keys(i) if sr or any(rounds_stochastically(x) for x in st) else None
         dtensor = is_dtensor(p)
         # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
         # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
         # are not all of the types the op's kernels take
         if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
-            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, keys(i) if sr else None)
+            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key)
             continue
         eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
-        key = (dtensor, eager, step, p.device, sr)
-        batch = batches.get(key)
+        call = (dtensor, eager, step, p.device, sr, key is not None)
+        batch = batches.get(call)
         if batch is None:
-            batch = batches[key] = _Batch(rule, static, sr, scalars, step, p.device, eager)
-        batch.add(p, g, st, keys(i) if sr else None)
+            batch = batches[call] = _Batch(rule, static, sr, key is not None, scalars, step, p.device, eager)
+        batch.add(p, g, st, key)
     for batch in batches.values():
         try:
             batch.run()
         except LayoutMismatch:  # raised by DTensor's rule before anything was written: the op takes the others
-            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.sr) is not None):
+            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.keyed) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
 
@@ -240,8 +244,9 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 class _Batch:
     """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
 
-    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool):
-        self.step, self.sr = step, sr
+    def __init__(self, rule, static, sr, keyed: bool, scalars: _Scalars, step: int, device: torch.device,
+                 eager: bool):
+        self.step, self.sr, self.keyed = step, sr, keyed
         if eager:
             self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
@@ -250,7 +255,8 @@ class _Batch:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
-        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if ``sr``
+        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if
+        #: ``keyed`` (a bf16 parameter with ``sr``, a state with stochastic rounding: draws by position)
         self.keys: list[Optional[int]] = []
 
     def add(self, p: Tensor, g: Tensor, states: list[Tensor], key: Optional[int] = None) -> None:
@@ -275,7 +281,7 @@ class _Batch:
 
     def run(self) -> None:
         if self.params:
-            sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.sr else None
+            sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.keyed else None
             fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys)
 
 

@@ -7,10 +7,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._library import copy_with_draws_, flat_index_like
+from ..distributed import rounds_stochastically
+from ..formats import position_hash32, state_key
 from ._rounding import key_draws, store_param
 from ._rules import UpdateRule
 
-__all__ = ["update_eagerly"]
+__all__ = ["update_eagerly", "write_states"]
 
 
 def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict,
@@ -20,16 +23,35 @@ def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: 
     States are read with out-of-place math (quantized ones give plain float32
     values, a plain low-precision state is read as float32) and written with
     ``state.copy_(new)``, which requantizes a quantized state in its own layout.
-    A bfloat16 ``p`` rounding stochastically draws by place under ``key``
-    (the fused kernels' draws, :func:`~._rounding.key_draws`; plain tensors
-    and DTensors alike; ``start``: a shard's first flat index in the full
-    tensor), or without one from the default generator.
+    Under a ``key``, draws are by place, as the fused kernels draw (each
+    element's index in the full tensor, ``qstate::flat_index_like`` on plain
+    tensors and DTensors alike; ``start``: a shard's first flat index in the
+    full tensor): a state that rounds stochastically is written with
+    ``qstate::copy_with_draws_`` (state ``i`` under ``state_key(key, i)``), and a
+    bfloat16 ``p`` rounding stochastically with :func:`~._rounding.key_draws`;
+    without a key, ``p`` draws from the default generator and states by value.
     """
     p32 = p if p.dtype == torch.float32 else p.float()
     g32 = g if g.dtype == torch.float32 else g.float()
     readable = [x if x.dtype == torch.float32 else x.float() for x in states]
     p_new, new = rule.math(p32, g32, readable, h, flags)
-    for x, value in zip(states, new):
-        x.copy_(value)
+    write_states(p, states, new, key, start)
     sr = stochastic_round and p.dtype == torch.bfloat16
     store_param(p, p_new, sr, key_draws(key, p, start) if sr and key is not None else None)
+
+
+def write_states(p: Tensor, states: Sequence[Tensor], values: Sequence[Tensor], key: Optional[int] = None,
+                 start: int = 0) -> None:
+    """``states[i].copy_(values[i])`` for the states of parameter ``p`` (their shape and layout); under a
+    ``key`` (64 bits), a state that rounds stochastically draws by place, as the fused kernels draw:
+    ``qstate::copy_with_draws_`` with :func:`qstate.formats.position_hash32` of ``state_key(key, i)`` and
+    each element's flat index in the full tensor (``start``: a plain shard's first)."""
+    index = None
+    for i, (x, value) in enumerate(zip(states, values)):
+        if key is None or not rounds_stochastically(x):
+            x.copy_(value)
+            continue
+        if index is None:
+            index = flat_index_like(p)
+            index = index + start if start else index
+        copy_with_draws_(x, value, position_hash32(state_key(key, i), index))

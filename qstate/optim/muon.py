@@ -33,12 +33,15 @@ Storage rules and invariants:
   parameter's placements (a local slice). Uneven shards work as in any
   redistribution. Every rank computes the same full matrix from the same
   values, so a sharded step equals the unsharded one.
-* The update of a parameter depends only on its gradient, its buffer and the
-  hyperparameters: stochastic rounding of quantized states is a function of
-  each value's bits (``qstate/formats/_rounding.py``), never of a random
-  stream. So equal gradients give equal bits on any number of ranks, and a
-  gradient that differs in its last bits (another summation order) redraws
-  the rounding of the values it changes.
+* A buffer that rounds stochastically draws by place
+  (``qstate/formats/_rounding.py``): one key per parameter and step from the
+  CPU generator (in :meth:`Muon.step`, the optimizer's rounding stream of
+  seed, group and step, as the other optimizers'; the functional form takes
+  the default generator's), hashed with each element's index in the full
+  matrix. So equal gradients give equal bits on any number of ranks, and a
+  gradient that differs in its last bits (another summation order) changes a
+  code only where the difference crosses the draw's threshold, about as
+  rarely as round-to-nearest's.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..distributed import is_dtensor
+from ..distributed import is_dtensor, rounds_stochastically
 from ._base import QuantizedOptimizer
 from . import _step
 from ._arguments import check_betas, check_lr, check_non_negative
+from ._cpu_kernel import ParamKeys
 from ._rules import RULES, StateSpec
+from ._update import write_states
 
 __all__ = ["Muon", "muon", "zeropower_via_newtonschulz", "adjust_lr", "ADJUST_LR_FNS"]
 
@@ -157,12 +162,13 @@ def muon(params: Sequence[Tensor], grads: Sequence[Tensor], muon_momentum_bufs: 
         if p.ndim != 2:
             raise ValueError(f"muon: param {i}: Muon updates 2-D parameters, got shape {tuple(p.shape)}")
     lr = float(lr) if isinstance(lr, Tensor) else lr
-    for p, g, buf in zip(params, grads, muon_momentum_bufs):
+    keys = ParamKeys()  # stochastically rounded buffers draw by place under a key per parameter
+    for i, (p, g, buf) in enumerate(zip(params, grads, muon_momentum_bufs)):
         g32 = g if g.dtype == torch.float32 else g.float()
         readable = buf if buf.dtype == torch.float32 else buf.float()  # a quantized state reads as float32
         new_buf = readable.lerp(g32, 1 - momentum)
         update = g32.lerp(new_buf, momentum) if nesterov else new_buf
-        buf.copy_(new_buf)
+        write_states(p, [buf], [new_buf], keys(i) if rounds_stochastically(buf) else None)
         update = _orthogonalize(update, ns_coefficients, ns_steps, eps)
         p.mul_(1 - lr * weight_decay)
         p.add_(update, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
@@ -254,7 +260,7 @@ class Muon(QuantizedOptimizer):
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn)
         _check_muon_group(defaults)
-        # seed 0: the seed keys bf16 stochastic rounding only, which Muon does not offer
+        # seed 0: every rank's stream is the same without a broadcast (Muon has no bf16 stochastic rounding)
         super().__init__(params, defaults, state_format=state_format, block_size=block_size,
                          min_quantize_numel=min_quantize_numel, bf16_stochastic_round=False, compile=compile,
                          seed=0, state_rounding=state_rounding)
@@ -338,20 +344,25 @@ class Muon(QuantizedOptimizer):
             names = [s.name for s in self.rule.states(self._flags(group))]
             states = [[self.state[p][n] for n in names] for p in params]
             work.append((group, params, [p.grad for p in params], states, [self.state[p]["step"] for p in params]))
-        for group, params, grads, states, steps in work:
+        for gi, (group, params, grads, states, steps) in enumerate(work):
             if not params:
                 continue
-            if group["use_muon"]:
-                muon(params, grads, [s[0] for s in states], lr=group["lr"], weight_decay=group["weight_decay"],
-                     momentum=group["momentum"], nesterov=group["nesterov"],
-                     ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
-                     adjust_lr_fn=group["adjust_lr_fn"])
-                for s in steps:
-                    s += 1
-            else:
-                _step.apply_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
-                               lr=group["lr"], compile=self.compile)
+            # the rounding stream of (seed, group, step): stochastically rounded states' keys
+            with self._stream({torch.device("cpu")}, group["seed"], gi, 1 + max(int(s) for s in steps)):
+                self._update_group(group, params, grads, states, steps)
         return loss
+
+    def _update_group(self, group: dict, params: list, grads: list, states: list, steps: list) -> None:
+        if group["use_muon"]:
+            muon(params, grads, [s[0] for s in states], lr=group["lr"], weight_decay=group["weight_decay"],
+                 momentum=group["momentum"], nesterov=group["nesterov"],
+                 ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
+                 adjust_lr_fn=group["adjust_lr_fn"])
+            for s in steps:
+                s += 1
+        else:
+            _step.apply_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
+                               lr=group["lr"], compile=self.compile)
 
 
 def _tensor_of(p: Any) -> Tensor:

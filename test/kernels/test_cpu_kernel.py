@@ -23,29 +23,35 @@ SHAPES = [(4, 512), (33, 71), (7, 513), (1000,), (1,), (3, 5, 7), (2, 2100)]
 
 
 def _adamw_8bit(ps, gs, states, step):
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
             compile=True, grad_scale=torch.tensor(4.0))
 
 
 def _adam_4bit_amsgrad(ps, gs, states, step):
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.adam(ps, gs, states[0], states[1], [step] * len(ps), max_exp_avg_sqs=states[2], lr=1e-2, beta1=0.8,
            beta2=0.99, eps=1e-6, weight_decay=0.01, amsgrad=True, maximize=True, compile=True)
 
 
 def _lion_8bit(ps, gs, states, step):
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.lion(ps, gs, states[0], [step] * len(ps), lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, compile=True)
 
 
 def _adamw_beta1_low(ps, gs, states, step):  # lerp weight 1 - beta1 >= 0.5: torch.lerp's other form
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.1,
             compile=True)
 
 
 def _lion_beta1_low(ps, gs, states, step):  # one lerp of each form
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.lion(ps, gs, states[0], [step] * len(ps), lr=1e-3, beta1=0.2, beta2=0.99, weight_decay=0.1, compile=True)
 
 
 def _sgd_4bit_nesterov(ps, gs, states, step):
+    torch.manual_seed(step)  # the step's stochastic-rounding keys (the default generator's)
     F.sgd(ps, gs, states[0], [step] * len(ps), lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True,
           compile=True)
 
@@ -719,7 +725,7 @@ def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Te
     states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
               qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
     spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
-    assert _cpu_kernel.supports(spec, p.device, g.dtype) and _cpu_kernel.draws(spec) and not spec.param_sr
+    assert _cpu_kernel.supports(spec, p.device, g.dtype) and spec.keyed and not spec.param_sr
     # lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound
     hyper = [1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0]
     with cpu_kernel_enabled(True):
@@ -906,7 +912,6 @@ class TestSrKeysErrors(expecttest.TestCase):
                 fn()
             return f"{type(info.exception).__name__}: {info.exception}"
 
-        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1], kind=fused_kind("adam", _ADAMW_FLAGS, False))), """RuntimeError: qstate::fused_update with sr_keys: params[0] (torch.bfloat16 (10, 300) on cpu): sr_keys given to a kind without stochastic rounding (FusedCall(rule='adam', flags=(('amsgrad', False), ('decoupled', True), ('maximize', False)), stochastic_round=False, eager=False, tensor_scalars=()))""")
         self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, no starts""")
         for t, b in zip((ok, *st[0], *st[1]), before):
             assert torch.equal(t, b)

@@ -12,6 +12,7 @@ from qstate.formats import FORMATS
 from qstate.optim import cpu_kernel_enabled
 from qstate.optim import _rules, _step
 from qstate.optim import functional as F
+from state_cases import written_by_update
 
 #: aligned rows (a whole number of blocks), ragged rows, odd 4-bit rows, one row, one element, 3-D
 SHAPES = [(4, 512), (64, 256), (33, 71), (7, 513), (1000,), (1,), (5, 3, 7)]
@@ -30,15 +31,16 @@ SIGNED_KINDS = [(f, "nearest") for f in sorted(FORMATS)] + [(f, "stochastic") fo
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_compiled_state_is_bit_identical_to_quantize(fmt, rounding, shape):
     # SGD's first step stores the gradient exactly (0 * buf + 1 * g): the compiled kernel's codes,
-    # scales and padding must equal qstate.quantize of the gradient bit for bit (stochastic rounding:
-    # the same normalized values, so the same decisions, in block space and ragged rows alike)
+    # scales and padding must equal the gradient written into a fresh state bit for bit (stochastic
+    # rounding: by position, under the key the functional form draws; in block space and ragged rows alike)
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(shape, generator=gen)
     g = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-6, 3, shape, generator=gen)
     buf = qstate.zeros_like(p, fmt, signed=True, dtype=torch.float32, rounding=rounding)
     p_ref = p.clone()
+    torch.manual_seed(7)
     _sgd_first_step(p, g, buf, compile=True)
-    want = qstate.quantize(g, fmt, signed=True, rounding=rounding)
+    want = written_by_update(g, fmt, seed=7, rounding=rounding)
     assert torch.equal(buf.codes, want.codes)
     assert torch.equal(buf.scale, want.scale)
     torch.testing.assert_close(p, p_ref - 0.1 * g, rtol=0, atol=0)

@@ -130,9 +130,6 @@ def _split_batch_difference(make_opt, seed: int, hidden: tuple, steps: int = 10)
     return float((out[0] - out[1]).abs().max())
 
 
-@pytest.mark.xfail(strict=True, reason="4bit stochastic rounding draws from each value's float bits, so "
-                   "float-order noise redraws it (AdamW about 300x round-to-nearest); a draw per value's "
-                   "1/64 bucket fixed it but stalled Lion's momentum (benchmarks/RESULTS.md): open")
 @pytest.mark.parametrize("cls,kw", [(AdamW, dict(lr=1e-3)), (Lion, dict(lr=3e-4, weight_decay=0.1))])
 def test_4bit_stochastic_rounding_does_not_amplify_float_order_noise(cls, kw):
     # the target: summed over six runs (two MLPs, three seeds), the default (stochastic) first moment

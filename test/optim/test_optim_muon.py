@@ -103,16 +103,27 @@ def test_adjust_lr_values():
 # ------------------------------------------------------------------ quantized momentum
 def _reference_muon(params, steps: int, fmt: str, rounding: str, block_size: int, *, lr=0.02, weight_decay=0.1,
                     momentum=0.95, nesterov=True) -> list[torch.Tensor]:
-    """Muon in plain PyTorch, the buffer replaced by its quantization each step; torch's Newton-Schulz."""
+    """Muon in plain PyTorch, the buffer replaced by its quantization each step; torch's Newton-Schulz.
+
+    Stochastic rounding draws as the spec says (``qstate/formats/_rounding.py``): under a key per
+    parameter and step, ``splitmix64(base + i + GAMMA)`` of one 63-bit ``base`` drawn from the CPU
+    generator (seeded ``100 + step`` here), hashed with each element's flat index."""
     from torch.optim._muon import _zeropower_via_newtonschulz
+    from qstate import _splitmix64 as splitmix64
+    from qstate.formats import position_hash32, state_key
 
     params = [p.detach().clone() for p in params]
     bufs = [torch.zeros_like(p) for p in params]
     for step in range(steps):
+        torch.manual_seed(100 + step)
+        base = int(torch.empty((), dtype=torch.int64).random_())
         for i, (p, g) in enumerate(zip(params, _grads(params, step))):
             buf = bufs[i].lerp(g, 1 - momentum)
             update = g.lerp(buf, momentum) if nesterov else buf
-            bufs[i] = qstate.quantize(buf, fmt, block_size=block_size, rounding=rounding).dequantize()
+            stored = qstate.zeros_like(buf, fmt, block_size=block_size, rounding=rounding, dtype=torch.float32)
+            key = state_key(splitmix64.mix(base + i + splitmix64.GAMMA), 0)
+            torch.ops.qstate.copy_with_draws_(stored, buf, position_hash32(key, torch.arange(buf.numel()).view(buf.shape)))
+            bufs[i] = stored.dequantize()
             update = _zeropower_via_newtonschulz(update, (3.4445, -4.775, 2.0315), 5, 1e-7)
             p.mul_(1 - lr * weight_decay)
             p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
@@ -123,23 +134,50 @@ def _reference_muon(params, steps: int, fmt: str, rounding: str, block_size: int
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_quantized_momentum_matches_reference(fmt, rounding, nesterov):
+    # the functional form (its keys from the default CPU generator, seeded per step as the reference does)
+    # against plain PyTorch; Muon's class form against the functional one below
     if rounding == "stochastic" and fmt == "fp8":
         pytest.skip("fp8 states round to nearest only")
     block_size = 32 if fmt == "4bit" else 64
     params = _params([(8, 40), (40, 8), (6, 70)])
     want = _reference_muon(params, 4, fmt, rounding, block_size, nesterov=nesterov)
-    opt = Muon(params, lr=0.02, nesterov=nesterov, state_format=fmt, block_size=block_size, state_rounding=rounding,
+    bufs = [qstate.zeros_like(p, fmt, block_size=block_size, rounding=rounding, dtype=torch.float32) for p in params]
+    with torch.no_grad():
+        for step in range(4):
+            torch.manual_seed(100 + step)
+            muon(params, _grads(params, step), bufs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                 ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7, adjust_lr_fn=None)
+    for got, ref in zip(list(params) + [b.dequantize() for b in bufs], want):
+        assert torch.equal(got.detach(), ref), f"max |diff| {(got.detach() - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("fmt,rounding", [("4bit", None), ("8bit", "nearest")])
+def test_muon_class_keeps_the_policy_and_matches_the_functional_form(fmt, rounding):
+    # round to nearest: the class and the functional form agree bit for bit (stochastic draws differ in
+    # their keys' stream: the class's is its own, seeded by seed, group and step)
+    block_size = 32
+    params = _params([(8, 40), (40, 8), (6, 70)])
+    ref = _clone(params)
+    opt = Muon(params, lr=0.02, state_format=fmt, block_size=block_size, state_rounding=rounding,
                min_quantize_numel=0)
-    for step in range(4):
+    ref_bufs = [qstate.zeros_like(p, fmt, block_size=block_size, rounding="nearest", dtype=torch.float32)
+                for p in ref]
+    for step in range(3):
         for p, g in zip(params, _grads(params, step)):
             p.grad = g
         opt.step()
-    bufs = [opt.state[p]["momentum_buffer"] for p in params]
-    for b in bufs:
+        if rounding == "nearest":
+            with torch.no_grad():
+                muon(ref, _grads(ref, step), ref_bufs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                     ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7, adjust_lr_fn=None)
+    for p in params:
+        b = opt.state[p]["momentum_buffer"]
         assert isinstance(b, qstate.QuantizedState)
-        assert (b.format, b.signed, b.block_size, b.rounding) == (fmt, True, block_size, rounding)
-    for got, ref in zip(list(params) + [b.dequantize() for b in bufs], want):
-        assert torch.equal(got.detach(), ref), f"max |diff| {(got.detach() - ref).abs().max().item()}"
+        assert (b.format, b.signed, b.block_size, b.rounding) == (fmt, True, block_size, rounding or "stochastic")
+    if rounding == "nearest":
+        for p, q, qb in zip(params, ref, ref_bufs):
+            assert torch.equal(p.detach(), q.detach())
+            assert torch.equal(opt.state[p]["momentum_buffer"].codes, qb.codes)
 
 
 def test_4bit_momentum_rounds_stochastically_by_default():
@@ -239,7 +277,9 @@ def test_non_matrix_params_take_adamw(fmt, compile):
     assert [len(g["params"]) for g in opt.param_groups] == [2, 3]
     assert opt.param_groups[1]["lr"] == 3e-3 and opt.param_groups[1]["betas"] == (0.8, 0.95)
     ref_muon = Muon(matrices, lr=0.02, **policy)
-    ref_adamw = qstate.optim.AdamW(others, **adamw, **policy)
+    # Muon's AdamW parameters are its second group (seed 0): the same rounding stream as this one's second
+    ref_adamw = qstate.optim.AdamW([{"params": [nn.Parameter(torch.zeros(1))]}, {"params": others}], **adamw,
+                                   **policy, seed=0)
     ours = [p for p in params if p.ndim == 2] + [p for p in params if p.ndim != 2]
     for step in range(3):
         for p, g in zip(params, _grads(params, step)):
