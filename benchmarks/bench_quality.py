@@ -32,7 +32,8 @@ parameters. The digits MLP 64-256-128-10 trained for 5 steps (batch 64)
 unsharded in one process, and under FSDP2 on 2 gloo ranks, each rank taking
 half of every batch (the gradients then differ from the unsharded ones in
 float order only); the table gives the largest parameter difference between
-the two runs per optimizer and state format / rounding.
+the two runs per optimizer and state format / rounding, op by op
+(``compile=False``) and, for the default rounding, with the fused kernels.
 
 ``--quick``: two tasks, shortened (about a minute on one core); the full suite
 gives the recorded results (``benchmarks/RESULTS.md``).
@@ -227,13 +228,15 @@ def candidates(formats: list[str]) -> tuple[dict[str, Callable], list[str]]:
 
 # ---------------------------------------------------------------------------- float-order sensitivity
 SENSITIVITY_STEPS = 5
-SENSITIVITY_CASES = [("AdamW", "fp32", None), ("AdamW", "8bit", None), ("AdamW", "fp8", None),
-                     ("AdamW", "4bit", "nearest"), ("AdamW", "4bit", None), ("Lion", "4bit", "nearest"),
-                     ("Lion", "4bit", None), ("SGD", "4bit", "nearest"), ("SGD", "4bit", None)]
+#: (optimizer, state format, state_rounding, compile): op by op, and the fused kernels for the default rounding
+SENSITIVITY_CASES = [("AdamW", "fp32", None, False), ("AdamW", "8bit", None, False), ("AdamW", "fp8", None, False),
+                     ("AdamW", "4bit", "nearest", False), ("AdamW", "4bit", None, False),
+                     ("AdamW", "4bit", None, True), ("Lion", "4bit", "nearest", False), ("Lion", "4bit", None, False),
+                     ("Lion", "4bit", None, True), ("SGD", "4bit", "nearest", False), ("SGD", "4bit", None, False)]
 
 
-def _sensitivity_opt(params, optimizer: str, fmt: str, rounding: Optional[str]):
-    kw = dict(state_format=fmt, state_rounding=rounding, min_quantize_numel=MIN_QUANTIZE_NUMEL, compile=False)
+def _sensitivity_opt(params, optimizer: str, fmt: str, rounding: Optional[str], compile: bool):
+    kw = dict(state_format=fmt, state_rounding=rounding, min_quantize_numel=MIN_QUANTIZE_NUMEL, compile=compile)
     if optimizer == "AdamW":
         return qoptim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
     if optimizer == "Lion":
@@ -241,7 +244,7 @@ def _sensitivity_opt(params, optimizer: str, fmt: str, rounding: Optional[str]):
     return qoptim.SGD(params, lr=0.05, momentum=0.9, **kw)
 
 
-def _sensitivity_run(seed: int, optimizer: str, fmt: str, rounding: Optional[str], rank: int = 0,
+def _sensitivity_run(seed: int, optimizer: str, fmt: str, rounding: Optional[str], compile: bool, rank: int = 0,
                      world: int = 1) -> list[torch.Tensor]:
     """Parameters after the steps, the model FSDP2-sharded over ``world`` ranks when ``world > 1``
     (each rank takes its share of every batch); full tensors on every rank."""
@@ -254,7 +257,7 @@ def _sensitivity_run(seed: int, optimizer: str, fmt: str, rounding: Optional[str
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-    opt = _sensitivity_opt(model.parameters(), optimizer, fmt, rounding)
+    opt = _sensitivity_opt(model.parameters(), optimizer, fmt, rounding, compile)
     x, y = digits()
     gen = torch.Generator().manual_seed(seed)
     for _ in range(SENSITIVITY_STEPS):
@@ -268,7 +271,7 @@ def _sensitivity_run(seed: int, optimizer: str, fmt: str, rounding: Optional[str
 
 def _sensitivity_rank(rank: int, world: int, seed: int, out: str) -> None:
     torch.set_num_threads(1)
-    got = {f"{o} {f} {r}": _sensitivity_run(seed, o, f, r, rank, world) for o, f, r in SENSITIVITY_CASES}
+    got = {case: _sensitivity_run(seed, *case, rank, world) for case in SENSITIVITY_CASES}
     if rank == 0:
         torch.save(got, out)
 
@@ -280,18 +283,18 @@ def sensitivity(seeds: list[int]) -> list[str]:
     from qstate.launch import run_ranks
 
     rows = []
-    for opt_name, fmt, rounding in SENSITIVITY_CASES:
-        rows.append([f"{opt_name} {fmt} {rounding or 'default'}"])
+    for opt_name, fmt, rounding, compile in SENSITIVITY_CASES:
+        rows.append([f"{opt_name} {fmt} {rounding or 'default'}{' (fused)' if compile else ''}"])
     for seed in seeds:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "sharded.pt")
             run_ranks(_sensitivity_rank, 2, seed, out)
             sharded = torch.load(out)
-        for row, (o, f, r) in zip(rows, SENSITIVITY_CASES):
-            whole = _sensitivity_run(seed, o, f, r)
-            row.append(max(float((a - b).abs().max()) for a, b in zip(whole, sharded[f"{o} {f} {r}"])))
-    lines = [f"{'optimizer, state, rounding':28s} " + " ".join(f"{'seed ' + str(s):>9s}" for s in seeds)]
-    lines += [f"{row[0]:28s} " + " ".join(f"{v:9.2e}" for v in row[1:]) for row in rows]
+        for row, case in zip(rows, SENSITIVITY_CASES):
+            whole = _sensitivity_run(seed, *case)
+            row.append(max(float((a - b).abs().max()) for a, b in zip(whole, sharded[case])))
+    lines = [f"{'optimizer, state, rounding':36s} " + " ".join(f"{'seed ' + str(s):>9s}" for s in seeds)]
+    lines += [f"{row[0]:36s} " + " ".join(f"{v:9.2e}" for v in row[1:]) for row in rows]
     return lines
 
 
