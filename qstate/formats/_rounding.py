@@ -20,8 +20,8 @@ entries:
      a 64-bit ``key`` (one per parameter and step, drawn from the optimizer's
      rounding stream) and each element's flat index ``n`` in the full tensor;
      ``h = position_hash32(state_key(key, i), n)`` for the update's state
-     ``i`` (:func:`position_hash32`: ``lowbias32(lowbias32(n_lo ^ k_lo) ^ n_hi
-     ^ k_hi)`` of the 32-bit halves; :func:`state_key`: ``key ^ (i + 1) *
+     ``i`` (:func:`position_hash32`: ``lowbias32(n_lo ^ k_lo ^ lowbias32(n_hi
+     ^ k_hi))`` of the 32-bit halves; :func:`state_key`: ``key ^ (i + 1) *
      0x9e3779b97f4a7c15`` mod ``2**64``);
    * **by value** (an encode given no draws: ``qstate.quantize``, ``copy_``
      into a state): ``h = lowbias32(bits(y))``, ``y``'s float32 bit pattern.
@@ -107,16 +107,17 @@ def state_key(key: int, index: int) -> int:
 
 def position_hash32(key: Union[Tensor, int], index: Tensor) -> Tensor:
     """32-bit hashes (int64 in ``[0, 2**32)``) of the flat indices ``index`` (int64, >= 0) under the
-    64-bit ``key`` (an int64 tensor, or an int: taken mod ``2**64``): ``lowbias32(lowbias32(n_lo ^ k_lo)
-    ^ n_hi ^ k_hi)`` of the 32-bit halves (the C kernel's ``position_hash``). For one key and ``n_hi``
-    both hashes are bijections of ``n_lo``: the elements of one tensor get distinct hashes."""
+    64-bit ``key`` (an int64 tensor, or an int: taken mod ``2**64``): ``lowbias32(n_lo ^ k_lo ^
+    lowbias32(n_hi ^ k_hi))`` of the 32-bit halves (the C kernel's ``position_hash``). For one key and
+    ``n_hi`` it is a bijection of ``n_lo``: the elements of one tensor get distinct hashes; the inner hash
+    is one value per ``2**32`` elements, so a kernel hashes each element once."""
     if not isinstance(key, Tensor):
         key &= _MASK64
         k_lo, k_hi = key & MASK32, key >> 32
     else:
         k_lo, k_hi = key & MASK32, torch.bitwise_right_shift(key, 32) & MASK32
-    inner = lowbias32_int((index & MASK32) ^ k_lo)
-    return lowbias32_int(inner ^ (torch.bitwise_right_shift(index, 32) & MASK32) ^ k_hi)
+    high = lowbias32_int((torch.bitwise_right_shift(index, 32) & MASK32) ^ k_hi)
+    return lowbias32_int((index & MASK32) ^ k_lo ^ high)
 
 
 def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor, draws: Optional[Tensor] = None) -> Tensor:

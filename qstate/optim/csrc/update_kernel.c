@@ -227,10 +227,11 @@ static inline uint32_t lowbias32(uint32_t x) {
 #define ANY_SR (PARAM_SR FOR_STATES(SR_OR_))
 
 /* The 32-bit draw of the element at flat index lo | hi << 32 of the full tensor under the 64-bit key
- * (qstate.formats.position_hash32): lowbias32(lowbias32(lo ^ key_lo) ^ hi ^ key_hi). For one key and hi both
- * hashes are bijections of lo: every element of a tensor (below 2**32 of them) gets its own hash. */
+ * (qstate.formats.position_hash32): lowbias32(lo ^ key_lo ^ lowbias32(hi ^ key_hi)). For one key and hi it is
+ * a bijection of lo: every element of a tensor (below 2**32 of them) gets its own hash; the inner hash is one
+ * value per 2**32 elements (hoisted out of the vector loops). */
 static inline uint32_t position_hash(uint64_t key, uint32_t lo, uint32_t hi) {
-    return lowbias32(lowbias32(lo ^ (uint32_t)key) ^ hi ^ (uint32_t)(key >> 32));
+    return lowbias32(lo ^ (uint32_t)key ^ lowbias32(hi ^ (uint32_t)(key >> 32)));
 }
 static inline uint32_t position_hash64(uint64_t key, uint64_t n) {
     return position_hash(key, (uint32_t)n, (uint32_t)(n >> 32));
@@ -257,7 +258,7 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
  * width; defined for the widths the build has, before their map4_code): (float)(position_hash(key, n) >> 8)
  * for the lanes' flat indices n = base + lane, lane = 0 .. W / 32 - 1 (``lanes``: those numbers), the low
  * word's carry into the high word where it wraps (unsigned n_lo < base_lo, as a signed compare of both with
- * their top bits flipped: AVX2 has no unsigned compare; a carry lane is -1, subtracted) */
+ * their top bits flipped: AVX2 has no unsigned compare; a carry lane is -1 and takes the next high word's hash) */
 #define DEFINE_LOWBIAS32(W)                                                               \
     static inline __m##W##i lowbias32_##W(__m##W##i h) {                                  \
         h = _mm##W##_xor_si##W(h, _mm##W##_srli_epi32(h, 16));                            \
@@ -269,19 +270,20 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
 #define DEFINE_SR_DRAW(W, CARRY)                                                          \
     DEFINE_LOWBIAS32(W)                                                                   \
     static inline __m##W sr_draw_##W(uint64_t key, uint64_t base, __m##W##i lanes) {      \
-        const uint32_t lo = (uint32_t)base, hi_key = (uint32_t)(base >> 32) ^ (uint32_t)(key >> 32); \
+        const uint32_t lo = (uint32_t)base, hi = (uint32_t)(base >> 32);                  \
+        const uint32_t k_lo = (uint32_t)key, k_hi = (uint32_t)(key >> 32);                \
         const __m##W##i base_lo = _mm##W##_set1_epi32((int32_t)lo);                       \
         const __m##W##i n_lo = _mm##W##_add_epi32(base_lo, lanes);                        \
-        /* n_hi ^ key_hi: one value unless the low word wraps in this vector (rare: a branch) */ \
-        __m##W##i hi = _mm##W##_set1_epi32((int32_t)hi_key);                              \
+        /* key_lo ^ lowbias32(n_hi ^ key_hi): one value unless the low word wraps in this vector (rare) */ \
+        __m##W##i mix = _mm##W##_set1_epi32((int32_t)(k_lo ^ lowbias32(hi ^ k_hi)));      \
         if (lo > 0xffffffffu - (W / 32 - 1)) {                                            \
             const __m##W##i flip = _mm##W##_set1_epi32((int32_t)0x80000000u);             \
             const __m##W##i carry = CARRY(_mm##W##_xor_si##W(base_lo, flip), _mm##W##_xor_si##W(n_lo, flip)); \
-            hi = _mm##W##_set1_epi32((int32_t)(uint32_t)(base >> 32));                    \
-            hi = _mm##W##_xor_si##W(_mm##W##_sub_epi32(hi, carry), _mm##W##_set1_epi32((int32_t)(uint32_t)(key >> 32))); \
+            const __m##W##i next = _mm##W##_set1_epi32((int32_t)(k_lo ^ lowbias32((hi + 1u) ^ k_hi))); \
+            mix = _mm##W##_or_si##W(_mm##W##_and_si##W(carry, next), _mm##W##_andnot_si##W(carry, mix)); \
         }                                                                                 \
-        __m##W##i h = lowbias32_##W(_mm##W##_xor_si##W(n_lo, _mm##W##_set1_epi32((int32_t)(uint32_t)key))); \
-        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(lowbias32_##W(_mm##W##_xor_si##W(h, hi)), 8)); \
+        const __m##W##i h = lowbias32_##W(_mm##W##_xor_si##W(n_lo, mix));                 \
+        return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(h, 8));                           \
     }
 
 /* Stochastic rounding of y onto the sorted map from its nearest code c, with the 32-bit draw h (by position:
