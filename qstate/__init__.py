@@ -10,7 +10,8 @@ loading in :mod:`qstate.checkpoint`.
 Importing qstate (1) registers :class:`QuantizedState` and its rebuild
 function as ``torch.load(weights_only=True)`` safe globals and (2) registers
 the DTensor rules of qstate's own operators (``qstate::fused_update``,
-``qstate::flat_index_like``, ``qstate::stochastic_round_bf16``), which is all
+``qstate::flat_index_like``, ``qstate::stochastic_round_bf16``,
+``qstate::copy_with_draws_``), which is all
 qstate's states and optimizers need. It changes no DTensor rule of a torch op:
 qstate's replacements of those (the upstream patch series, applied at run
 time) are opt-in, :func:`qstate.dtensor_rules.install`.

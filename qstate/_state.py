@@ -25,8 +25,10 @@ The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
 * ``rounding`` (``"nearest"`` or ``"stochastic"``, see
   :mod:`qstate.formats._rounding`) governs every write of new values into the
   state (``copy_``, in-place math, the optimizers' kernels); stochastic
-  decisions are a pure function of each normalized value, so a sharded state
-  gets the codes of the unsharded one.
+  decisions are a function of each normalized value and, where the writer
+  gives them (the optimizers' updates, ``qstate::copy_with_draws_``), draws by
+  each element's place in the full tensor, so a sharded state gets the codes
+  of the unsharded one.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ two sets of rules, as data, installed at different times:
   * :mod:`._random_ops`   ``qstate::flat_index_like``: each shard's global
     element indices, which stochastic rounding hashes
   * :mod:`._rounding_ops` ``qstate::stochastic_round_bf16``: shard by shard,
-    ``Partial`` reduced first
+    ``Partial`` reduced first; ``qstate::copy_with_draws_``: in place, shard by
+    shard, ``src`` and ``draws`` brought to ``self``'s layout
 
   qstate's states and optimizers need nothing else: on DTensors they call
   these ops and otherwise only aten ops whose torch rules are right for the

@@ -7,8 +7,9 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
 * ``block_size``: quantization block size (default: the format's);
 * ``state_rounding`` (None): how new values are rounded into the *signed*
   quantized states (first moments, momentum buffers): ``"nearest"`` or
-  ``"stochastic"`` (unbiased, a deterministic function of each value; the
-  map formats ``8bit``/``4bit`` implement it). None: stochastic for ``4bit``
+  ``"stochastic"`` (unbiased; drawn by each element's place under a key per
+  parameter and step, the same on every rank and path; the map formats
+  ``8bit``/``4bit`` implement it). None: stochastic for ``4bit``
   (whose round-to-nearest stalls small EMA increments), nearest otherwise.
   Unsigned states (second moments) always round to nearest. Each state keeps
   its rounding (``QuantizedState.rounding``); loading a checkpoint whose
