@@ -11,13 +11,10 @@ same figure of the float32-state run (Muon's bfloat16 Newton-Schulz alone)
 and of ``4bit`` round-to-nearest. AdamW rows (``adamw``) give the same
 figures for qstate's AdamW, whose update has no bfloat16 step.
 
-A second table (one process, 4bit momentum) compares the state's roundings
-with a prototype that qstate does not ship: stochastic rounding onto the same
-map whose draws are keyed by each element's index and the step instead of
-hashed from its value (``position_keyed``), so a small change of a value
+Stochastic rounding draws by each element's index under a key per parameter
+and step (``qstate/formats/_rounding.py``), so a small change of a value
 changes its code with a probability proportional to the change, as with
-round-to-nearest. Its gradients differ in float order the same way: three
-microbatch means averaged against one whole-batch mean. Writes JSON.
+round-to-nearest. Writes JSON.
 
     python benchmarks/bench_muon_float_order.py [--world-size 3] [--steps 5]
 """
@@ -63,9 +60,9 @@ def optimizer(params, kind: str, fmt: str, rounding) -> torch.optim.Optimizer:
     policy = dict(state_format=fmt, min_quantize_numel=0, compile=False)
     if rounding is not None:
         policy["state_rounding"] = rounding
-    if kind == "muon":
+    if kind == "muon":  # its rounding stream's seed is 0
         return qstate.optim.Muon(params, lr=LR[kind], **policy)
-    return qstate.optim.AdamW(params, lr=LR[kind], **policy)
+    return qstate.optim.AdamW(params, lr=LR[kind], seed=0, **policy)  # both runs: one rounding stream
 
 
 def body(rank: int, world_size: int, steps: int, out: str) -> None:
@@ -100,66 +97,6 @@ def body(rank: int, world_size: int, steps: int, out: str) -> None:
             json.dump(rows, f)
 
 
-def _position_keyed(x: torch.Tensor, block_size: int, key: int) -> torch.Tensor:
-    """``x`` rounded stochastically onto the 4bit map with draws keyed by ``key`` and each element's
-    index (the prototype; 2-D plain ``x``), as the values a 4bit state decodes."""
-    from qstate.optim._rounding import position_draws
-
-    q = qstate.quantize(x, "4bit", block_size=block_size)  # its block scales and map
-    scale = q.scale.repeat_interleave(block_size, dim=1)[:, :x.shape[1]]
-    y = torch.where(scale == 0, torch.zeros_like(x), x / scale)
-    c = (torch.searchsorted(q.qmap, y.contiguous(), right=True) - 1).clamp(0, q.qmap.numel() - 2)
-    lo, hi = q.qmap[c], q.qmap[c + 1]
-    u = (position_draws(key, torch.arange(x.numel()).view(x.shape)).float() + 0.5) / 65536
-    return torch.where(u * (hi - lo) < y - lo, hi, lo) * scale
-
-
-def prototype_rows(steps: int, block_size: int = 128) -> list[dict]:
-    """Plain-PyTorch Muon (torch's Newton-Schulz) with 4bit momentum under each rounding, whole
-    batches against averaged microbatches; non-matrix parameters take plain SGD."""
-    import math
-
-    from torch.optim._muon import _zeropower_via_newtonschulz
-
-    def store(x, rounding, key):
-        if rounding == "fp32":
-            return x
-        if rounding == "position_keyed":
-            return _position_keyed(x, block_size, key)
-        return qstate.quantize(x, "4bit", block_size=block_size, rounding=rounding).dequantize()
-
-    def run(rounding, microbatches):
-        m = model()
-        params = list(m.parameters())
-        bufs = [torch.zeros_like(p) for p in params]
-        for step in range(steps):
-            x, y = batch(step)
-            grads = []
-            for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                m.zero_grad()
-                nn.functional.cross_entropy(m(xs), ys).backward()
-                grads.append([p.grad.clone() for p in params])
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    g = sum(gs[i] for gs in grads) / microbatches if microbatches > 1 else grads[0][i]
-                    if p.ndim != 2:
-                        p.add_(g, alpha=-LR["adamw"])
-                        continue
-                    buf = bufs[i].lerp(g, 0.05)
-                    update = _zeropower_via_newtonschulz(g.lerp(buf, 0.95), (3.4445, -4.775, 2.0315), 5, 1e-7)
-                    bufs[i] = store(buf, rounding, (i * 1_000_003 + step) * 2_654_435_761 % 2**62)
-                    p.mul_(1 - LR["muon"] * 0.1)
-                    p.add_(update, alpha=-LR["muon"] * math.sqrt(max(1, p.shape[0] / p.shape[1])))
-        return [p.detach() for p in params if p.ndim == 2]
-
-    rows = []
-    for rounding in ("fp32", "nearest", "stochastic", "position_keyed"):
-        diff = torch.cat([(a - b).flatten() for a, b in zip(run(rounding, 1), run(rounding, 3))])
-        rows.append({"rounding": rounding, "max_over_lr": diff.abs().max().item() / LR["muon"],
-                     "rms_over_lr": diff.square().mean().sqrt().item() / LR["muon"]})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=3)
@@ -180,15 +117,7 @@ def main() -> None:
         k = r["optimizer"]
         print(f"{k:9} {r['state_format']:6} {str(r['state_rounding']):10} {r['max_over_lr']:9.2e} "
               f"{r['rms_over_lr']:9.2e} {r['rms_over_lr'] / base[k]:7.1f} {r['rms_over_lr'] / nearest4[k]:8.1f}")
-    torch.set_num_threads(1)
-    prototype = prototype_rows(args.steps)
-    nearest = next(r["rms_over_lr"] for r in prototype if r["rounding"] == "nearest")
-    print(f"\none process, plain Muon, 4bit momentum: 3 microbatches vs 1 batch, {args.steps} steps")
-    print(f"{'rounding':15} {'max/lr':>9} {'rms/lr':>9} {'/nearest':>8}")
-    for r in prototype:
-        print(f"{r['rounding']:15} {r['max_over_lr']:9.2e} {r['rms_over_lr']:9.2e} {r['rms_over_lr'] / nearest:8.1f}")
-    save_json({"command": " ".join(["python"] + sys.argv), "env": environment(), "rows": rows,
-               "prototype": prototype}, args.out,
+    save_json({"command": " ".join(["python"] + sys.argv), "env": environment(), "rows": rows}, args.out,
               "muon_float_order.json")
 
 
