@@ -75,11 +75,14 @@ def _quantized_state_type() -> type:
 def rounds_stochastically(t: Tensor) -> bool:
     """Whether ``t`` is a quantized state with stochastic rounding (a :class:`~qstate.QuantizedState`,
     or a DTensor over one, a simulated rank's ``LocalTensor`` included)."""
+    state_type = _quantized_state_type()
+    if type(t) is state_type:  # asked for every state every step: the common case first
+        return t.rounding == "stochastic"
     local = local_of(t)
     shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
     if isinstance(shards, dict) and shards:
         local = next(iter(shards.values()))
-    return isinstance(local, _quantized_state_type()) and local.rounding == "stochastic"
+    return isinstance(local, state_type) and local.rounding == "stochastic"
 
 
 def state_kind(t: Tensor) -> str:

@@ -195,7 +195,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
-    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr, keyed): its lists
+    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr): its lists
     batches: dict[tuple, _Batch] = {}
     keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
@@ -212,16 +212,17 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key)
             continue
         eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
-        call = (dtensor, eager, step, p.device, sr, key is not None)
+        call = (dtensor, eager, step, p.device, sr)
         batch = batches.get(call)
         if batch is None:
-            batch = batches[call] = _Batch(rule, static, sr, key is not None, scalars, step, p.device, eager)
+            batch = batches[call] = _Batch(rule, static, sr, scalars, step, p.device, eager)
         batch.add(p, g, st, key)
     for batch in batches.values():
         try:
             batch.run()
         except LayoutMismatch:  # raised by DTensor's rule before anything was written: the op takes the others
-            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, batch.keyed) is not None):
+            keyed = batch.keyed  # the call's: DTensor's rule checked every member's layout for its draws
+            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, keyed) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
 
@@ -244,9 +245,8 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 class _Batch:
     """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
 
-    def __init__(self, rule, static, sr, keyed: bool, scalars: _Scalars, step: int, device: torch.device,
-                 eager: bool):
-        self.step, self.sr, self.keyed = step, sr, keyed
+    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool):
+        self.step, self.sr = step, sr
         if eager:
             self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
@@ -255,9 +255,14 @@ class _Batch:
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
-        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if
-        #: ``keyed`` (a bf16 parameter with ``sr``, a state with stochastic rounding: draws by position)
+        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if it
+        #: draws by position (a bf16 parameter with ``sr``, a state with stochastic rounding), else None
         self.keys: list[Optional[int]] = []
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the call passes ``sr_keys`` (some member draws; the others' keys, 0, are not read)."""
+        return any(key is not None for key in self.keys)
 
     def add(self, p: Tensor, g: Tensor, states: list[Tensor], key: Optional[int] = None) -> None:
         self.params.append(p)
@@ -281,7 +286,7 @@ class _Batch:
 
     def run(self) -> None:
         if self.params:
-            sr_keys = [splitmix64.as_int64(key) for key in self.keys] if self.keyed else None
+            sr_keys = [splitmix64.as_int64(0 if key is None else key) for key in self.keys] if self.keyed else None
             fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys)
 
 
