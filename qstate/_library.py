@@ -12,13 +12,14 @@ without importing the optimizers.
   number per parameter (:func:`states_per_param`): ``params[i]``'s are
   ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
   (shared: one step count), ``kind`` names the rule, its static flags,
-  stochastic rounding and compilation. For a call with stochastic rounding (of a
-  bf16 parameter or of a state; fused kernels or op by op), ``sr_keys`` gives each parameter's rounding key
-  (int64, the 64-bit key's two's complement) and ``starts`` the flat index of
-  each parameter's first element in its full tensor (DTensor's handler sets
-  it for the shards, so that each element's draw depends on its place in the
-  full tensor: independent shards, the same draws on any number of ranks);
-  ``None``: keys drawn in the kernel, starts 0.
+  stochastic rounding and compilation. For a call with stochastic rounding (of
+  a bf16 parameter or of a state; fused kernels or op by op), ``sr_keys`` gives
+  each parameter's rounding key (int64, the 64-bit key's two's complement; a
+  parameter that rounds nothing stochastically does not read its own) and
+  ``starts`` the flat index of each parameter's first element in its full
+  tensor (DTensor's handler sets it for the shards, so that each element's
+  draw depends on its place in the full tensor: independent shards, the same
+  draws on any number of ranks); ``None``: keys drawn in the kernel, starts 0.
 * ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
   index in ``self`` (for a DTensor: in the full tensor, computed on each rank
   from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
