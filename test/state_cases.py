@@ -48,18 +48,19 @@ def scale_per_element(q: qstate.QuantizedState) -> torch.Tensor:
     return per_row.reshape(-1)[: q.numel()].view(q.shape)
 
 
-def written_by_update(values: torch.Tensor, fmt: str, *, seed: int, rounding: str = "nearest",
+def written_by_update(values: torch.Tensor, fmt: str, *, seed: int, position: int = 0, rounding: str = "nearest",
                       block_size=None, signed: bool = True) -> "qstate.QuantizedState":
-    """A fresh state holding ``values`` as an update of the functional optimizers writes its first
-    parameter's first state, after ``torch.manual_seed(seed)``: stochastic rounding draws by position
-    (``qstate/formats/_rounding.py``) under the key ``splitmix64(base + GAMMA)`` of one 63-bit ``base``
-    drawn from the default CPU generator, hashed with each element's flat index."""
+    """A fresh state holding ``values`` as an update of the functional optimizers writes the first state
+    of the parameter at ``position`` in its call, after ``torch.manual_seed(seed)``: stochastic rounding
+    draws by position (``qstate/formats/_rounding.py``) under the key ``splitmix64(base + position +
+    GAMMA)`` of one 63-bit ``base`` drawn from the default CPU generator, hashed with each element's flat
+    index."""
     from qstate import _splitmix64 as splitmix64
     from qstate.formats import position_hash32, state_key
 
     torch.manual_seed(seed)
     base = int(torch.empty((), dtype=torch.int64).random_())
-    key = state_key(splitmix64.mix(base + splitmix64.GAMMA), 0)
+    key = state_key(splitmix64.mix(base + position + splitmix64.GAMMA), 0)
     out = qstate.zeros_like(values, fmt, signed=signed, block_size=block_size, rounding=rounding,
                             dtype=torch.float32)
     draws = position_hash32(key, torch.arange(values.numel()).view(values.shape))

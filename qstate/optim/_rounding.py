@@ -40,7 +40,7 @@ from ..distributed import _dtensor_type
 from .._splitmix64 import as_int64
 from ..formats import position_hash32
 
-__all__ = ["key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
+__all__ = ["flat_index", "key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
 _DTensor = _dtensor_type()  # None in a torch built without distributed
 
@@ -87,13 +87,18 @@ def _shr(x: Union[Tensor, int], s: int) -> Union[Tensor, int]:
     return torch.bitwise_right_shift(x, s) if isinstance(x, Tensor) else x >> s
 
 
-def key_draws(key: int, p: Tensor, start: int = 0) -> Tensor:
-    """:func:`position_draws` of ``p``'s elements (a plain tensor or a DTensor of any layout: each element
-    by its index in the full tensor, ``qstate::flat_index_like``) under the 64-bit ``key`` (a Python int in
-    ``[0, 2**64)``), in ``p``'s shape. ``start``: the flat index of a plain ``p``'s first element in the
+def flat_index(p: Tensor, start: int = 0) -> Tensor:
+    """Each element's flat index in the full tensor, in ``p``'s shape (a plain tensor or a DTensor of any
+    layout: ``qstate::flat_index_like``). ``start``: the flat index of a plain ``p``'s first element in the
     full tensor it is one range of (a shard's, as the fused kernels take it)."""
     index = flat_index_like(p)
-    return position_draws(as_int64(key), index + start if start else index)
+    return index + start if start else index
+
+
+def key_draws(key: int, p: Tensor, start: int = 0) -> Tensor:
+    """:func:`position_draws` of ``p``'s elements by their :func:`flat_index` under the 64-bit ``key`` (a
+    Python int in ``[0, 2**64)``), in ``p``'s shape."""
+    return position_draws(as_int64(key), flat_index(p, start))
 
 
 def _flat_index(self: Tensor) -> Tensor:

@@ -7,10 +7,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._library import copy_with_draws_, flat_index_like
+from .._library import copy_with_draws_
 from ..distributed import rounds_stochastically
 from ..formats import position_hash32, state_key
-from ._rounding import key_draws, store_param
+from ._rounding import flat_index, key_draws, store_param
 from ._rules import UpdateRule
 
 __all__ = ["update_eagerly", "write_states"]
@@ -52,6 +52,5 @@ def write_states(p: Tensor, states: Sequence[Tensor], values: Sequence[Tensor], 
             x.copy_(value)
             continue
         if index is None:
-            index = flat_index_like(p)
-            index = index + start if start else index
+            index = flat_index(p, start)
         copy_with_draws_(x, value, position_hash32(state_key(key, i), index))

@@ -33,6 +33,7 @@ import qstate.optim
 from qstate.optim.muon import Muon, adjust_lr, muon
 
 from dist_utils import run_distributed
+from state_cases import written_by_update
 from test_optim_fsdp import _assert_equal, _batch, _full, _loss, _model, _no_local_tensor_access
 
 QUANTIZED = ["8bit", "4bit", "fp8"]
@@ -105,25 +106,18 @@ def _reference_muon(params, steps: int, fmt: str, rounding: str, block_size: int
                     momentum=0.95, nesterov=True) -> list[torch.Tensor]:
     """Muon in plain PyTorch, the buffer replaced by its quantization each step; torch's Newton-Schulz.
 
-    Stochastic rounding draws as the spec says (``qstate/formats/_rounding.py``): under a key per
-    parameter and step, ``splitmix64(base + i + GAMMA)`` of one 63-bit ``base`` drawn from the CPU
-    generator (seeded ``100 + step`` here), hashed with each element's flat index."""
+    Stochastic rounding draws as the functional form's update writes (``written_by_update``, the CPU
+    generator seeded ``100 + step`` here)."""
     from torch.optim._muon import _zeropower_via_newtonschulz
-    from qstate import _splitmix64 as splitmix64
-    from qstate.formats import position_hash32, state_key
 
     params = [p.detach().clone() for p in params]
     bufs = [torch.zeros_like(p) for p in params]
     for step in range(steps):
-        torch.manual_seed(100 + step)
-        base = int(torch.empty((), dtype=torch.int64).random_())
         for i, (p, g) in enumerate(zip(params, _grads(params, step))):
             buf = bufs[i].lerp(g, 1 - momentum)
             update = g.lerp(buf, momentum) if nesterov else buf
-            stored = qstate.zeros_like(buf, fmt, block_size=block_size, rounding=rounding, dtype=torch.float32)
-            key = state_key(splitmix64.mix(base + i + splitmix64.GAMMA), 0)
-            torch.ops.qstate.copy_with_draws_(stored, buf, position_hash32(key, torch.arange(buf.numel()).view(buf.shape)))
-            bufs[i] = stored.dequantize()
+            bufs[i] = written_by_update(buf, fmt, seed=100 + step, position=i, rounding=rounding,
+                                        block_size=block_size).dequantize()
             update = _zeropower_via_newtonschulz(update, (3.4445, -4.775, 2.0315), 5, 1e-7)
             p.mul_(1 - lr * weight_decay)
             p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
