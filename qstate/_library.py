@@ -17,9 +17,14 @@ without importing the optimizers.
   each parameter's rounding key (int64, the 64-bit key's two's complement; a
   parameter that rounds nothing stochastically does not read its own) and
   ``starts`` the flat index of each parameter's first element in its full
-  tensor (DTensor's handler sets it for the shards, so that each element's
-  draw depends on its place in the full tensor: independent shards, the same
-  draws on any number of ranks); ``None``: keys drawn in the kernel, starts 0.
+  tensor, one int64 element each (on DTensors, an int64 DTensor sharded as
+  its parameter with one element per shard, built by
+  :func:`qstate.dtensor_rules.flat_starts`: DTensor's strategy hands each
+  shard its own), so that each element's draw depends on its place in the
+  full tensor: independent shards, the same draws on any number of ranks
+  (``sr_keys`` and ``starts`` come together); ``None``: keys drawn in the
+  kernel. On DTensors every tensor argument is a DTensor (``hyper``
+  replicated).
 * ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
   index in ``self`` (for a DTensor: in the full tensor, computed on each rank
   from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
@@ -52,7 +57,7 @@ __all__ = ["LIBRARY", "copy_with_draws_", "flat_index_like", "fused_update", "st
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
 LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind, "
-               "int[]? sr_keys=None, int[]? starts=None) -> ()")
+               "int[]? sr_keys=None, Tensor[]? starts=None) -> ()")
 
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
 LIBRARY.define("copy_with_draws_(Tensor(a!) self, Tensor src, Tensor draws) -> ()")

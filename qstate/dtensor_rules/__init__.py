@@ -10,7 +10,9 @@ two sets of rules, as data, installed at different times:
   ``qstate::`` op, so none can change the result of a torch op:
 
   * :mod:`._fused_ops`    ``qstate::fused_update`` (the optimizers' update):
-    shard by shard when param, grad and states share one layout
+    shard by shard when param, grad and states share one layout; its
+    ``starts`` (:func:`flat_starts`) give each shard its place in the full
+    parameter
   * :mod:`._random_ops`   ``qstate::flat_index_like``: each shard's global
     element indices, which stochastic rounding hashes
   * :mod:`._rounding_ops` ``qstate::stochastic_round_bf16``: shard by shard,
@@ -47,6 +49,7 @@ already has a fix, :func:`install` leaves torch's rule for it in place and
 from __future__ import annotations
 
 from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _rounding_ops, _shift_ops, _view_ops
+from qstate.dtensor_rules._fused_ops import LayoutMismatch, flat_starts
 from qstate.dtensor_rules._comm import (
     forbid_implicit_communication,
     ImplicitCommunicationError,
@@ -63,9 +66,11 @@ from qstate.dtensor_rules._view_ops import UnrepresentableShardWarning
 __all__ = [
     "ImplicitCommunicationError",
     "InstalledOverride",
+    "LayoutMismatch",
     "RULES",
     "Rule",
     "UnrepresentableShardWarning",
+    "flat_starts",
     "forbid_implicit_communication",
     "QSTATE_OP_RULES",
     "install",

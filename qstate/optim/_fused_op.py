@@ -1,11 +1,12 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``_step.apply_update`` calls the op for its DTensor parameters, one call per
-(device, kind) per step (with bf16 stochastic rounding where the shards run a fused kernel,
-with ``sr_keys``, see :mod:`qstate._library`). DTensor's rule for it
-(:mod:`qstate.dtensor_rules._fused_ops`) checks that each gradient and state shares its
-parameter's layout (else ``LayoutMismatch``, before any write) and calls the op on the
-shards, so the step code never unwraps a DTensor and issues no collectives. On the shards:
+``_step.apply_update`` calls the op, one call per (device, kind) per step (with bf16
+stochastic rounding where the shards run a fused kernel, with ``sr_keys`` and, on DTensors,
+``starts``, see :mod:`qstate._library`). On DTensors, DTensor's sharding strategy for it
+(:mod:`qstate.dtensor_rules._fused_ops`) keeps every tensor in its layout (each gradient and
+state must share its parameter's, else ``LayoutMismatch`` before any write) and calls the op on
+the shards, so the step code never unwraps a DTensor and issues no collectives. On plain tensors
+and shards:
 
 * plain states: the ``CompositeExplicitAutograd`` kernel below;
 * :class:`~qstate.QuantizedState` states: the same function, registered in
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
@@ -94,7 +96,7 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
 
 def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
                   hyper: Tensor, kind: str, sr_keys: Optional[Sequence[int]] = None,
-                  starts: Optional[Sequence[int]] = None) -> None:
+                  starts: Optional[Sequence[Tensor]] = None) -> None:
     """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout,
     ``sr_keys`` and ``starts``).
 
@@ -103,14 +105,14 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
     kernels and op by op alike; a parameter that rounds nothing stochastically reads no key."""
     n = states_per_param(params, grads, states)
     call = _CALLS[kind]
-    if sr_keys is not None and (len(sr_keys) != len(params) or (starts is not None and len(starts) != len(params))):
+    if sr_keys is not None and (len(sr_keys) != len(params) or starts is None or len(starts) != len(params)):
         raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
                          f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
     pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
         key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
-        start = starts[i] if starts else 0
+        start = 0 if sr_keys is None else _start_value(starts[i])
         found = None if call.eager else _prepared.prepared(call.prepared_kind, param, grad, shard_states, start)
         if found is not None:
             sr_key = (_cpu_kernel.param_key() if key is None else key) if found.sr else 0
@@ -119,6 +121,20 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
             pending.before(param)
             _update_shard(param, grad, shard_states, hyper, call, key, start)
     pending.run()
+
+
+#: ``starts`` element -> its value: a shard's start is read once (no device sync per step)
+_START_VALUES = WeakIdKeyDictionary()
+
+
+def _start_value(start: Tensor) -> int:
+    value = _START_VALUES.get(start)
+    if value is None:
+        if start.numel() != 1 or start.dtype != torch.int64:
+            raise ValueError(f"qstate::fused_update: expected each start to be one int64 element, got shape "
+                             f"{tuple(start.shape)}, dtype {start.dtype}")
+        value = _START_VALUES[start] = int(start.item())
+    return value
 
 
 def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall,

@@ -71,7 +71,7 @@ from torch import Tensor
 from .._state import QuantizedState
 from ..distributed import is_dtensor, is_quantized_state, rounds_stochastically
 from .. import _splitmix64 as splitmix64
-from ..dtensor_rules._fused_ops import LayoutMismatch, update_mismatch
+from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update
 from ._kernels import KernelSpec
@@ -195,7 +195,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
            grad_unscale) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
-    # one qstate::fused_update call per (DTensor?, eager math?, step, device, sr): its lists
+    # one qstate::fused_update call per (DTensor mesh or None, eager math?, step, device, sr): its lists
     batches: dict[tuple, _Batch] = {}
     keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
     for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
@@ -212,19 +212,40 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key)
             continue
         eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
-        call = (dtensor, eager, step, p.device, sr)
+        mesh = p.device_mesh if dtensor else None
+        call = (mesh, eager, step, p.device, sr)
         batch = batches.get(call)
         if batch is None:
-            batch = batches[call] = _Batch(rule, static, sr, scalars, step, p.device, eager)
+            batch = batches[call] = _Batch(rule, static, sr, scalars, step, p.device, eager, mesh)
         batch.add(p, g, st, key)
     for batch in batches.values():
         try:
             batch.run()
-        except LayoutMismatch:  # raised by DTensor's rule before anything was written: the op takes the others
-            keyed = batch.keyed  # the call's: DTensor's rule checked every member's layout for its draws
+        except (LayoutMismatch, RuntimeError) as error:
+            if not _layout_mismatch(error):
+                raise
+            # raised by DTensor's strategy for the op before anything was written: the op takes the others
+            keyed = batch.keyed  # the call's: the strategy checked every member's layout for its draws
             for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, keyed) is not None):
                 update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
             batch.run()
+
+
+def replicated(t: Tensor, mesh) -> Tensor:
+    """``t`` as a DTensor replicated on ``mesh`` (every rank holds it already: no collectives)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(t, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+
+
+def _layout_mismatch(error: BaseException) -> bool:
+    """Whether ``error`` is, or was raised from, a :class:`LayoutMismatch` (DTensor re-raises a
+    strategy's error as a ``RuntimeError`` from it)."""
+    while error is not None:
+        if isinstance(error, LayoutMismatch):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _all_dtensors(g: Tensor, st: list[Tensor]) -> bool:
@@ -245,13 +266,16 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 class _Batch:
     """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
 
-    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool):
-        self.step, self.sr = step, sr
+    def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool,
+                 mesh=None):
+        self.step, self.sr, self.mesh = step, sr, mesh
         if eager:
-            self.hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
+            hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
             self.kind = call_key(call)
         else:
-            self.hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+            hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+        #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
+        self.hyper = hyper if mesh is None else replicated(hyper, mesh)
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
@@ -285,9 +309,19 @@ class _Batch:
         return dropped
 
     def run(self) -> None:
-        if self.params:
-            sr_keys = [splitmix64.as_int64(0 if key is None else key) for key in self.keys] if self.keyed else None
-            fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys)
+        if not self.params:
+            return
+        if not self.keyed:
+            fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
+            return
+        sr_keys = [splitmix64.as_int64(0 if key is None else key) for key in self.keys]
+        # on DTensors each shard draws by its place in the full parameter: its own start
+        starts = [_FIRST] * len(self.params) if self.mesh is None else [flat_starts(p) for p in self.params]
+        fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys, starts=starts)
+
+
+#: the ``starts`` of a plain parameter: its first element is the full tensor's
+_FIRST = torch.zeros(1, dtype=torch.int64)
 
 
 #: plain-state parameters below this size run the eager math even with ``compile=True``: measured

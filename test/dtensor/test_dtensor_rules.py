@@ -776,7 +776,8 @@ class TestInstalledOverrides(expecttest.TestCase):
 qstate.flat_index_like.default _custom_op_handlers added
 qstate.stochastic_round_bf16.default op_strategy_funcs added
 qstate.copy_with_draws_.default op_strategy_funcs added
-qstate.fused_update.default _custom_op_handlers added""")
+qstate.fused_update.default op_strategy_funcs added
+qstate.fused_update.default op_to_schema_info added""")
 
     def test_installed_lists_every_override(self) -> None:
         # what install() changes in DTensor's tables: one line per table entry, in the order of RULES,
@@ -1022,8 +1023,9 @@ def test_import_changes_no_torch_op_rule() -> None:
 """ + _TABLES_AFTER + """
     foreign = {n: [k for k in changed(n) if not k.startswith("qstate.")] for n in tables}
     assert not any(foreign.values()), foreign
-    assert changed("_custom_op_handlers") == ["qstate.flat_index_like.default", "qstate.fused_update.default"]
-    assert changed("op_strategy_funcs") == ["qstate.copy_with_draws_.default", "qstate.stochastic_round_bf16.default"]
+    assert changed("_custom_op_handlers") == ["qstate.flat_index_like.default"]
+    assert changed("op_strategy_funcs") == ["qstate.copy_with_draws_.default", "qstate.fused_update.default",
+                                            "qstate.stochastic_round_bf16.default"]
     print("ok")
 """,
         _ROOT,

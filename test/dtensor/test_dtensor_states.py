@@ -179,11 +179,18 @@ class TestDTensorStatePins(expecttest.TestCase):
 
     def test_fused_update_rejects_layouts_it_cannot_run_shard_by_shard(self):
         from qstate._library import fused_update
+        from qstate.dtensor_rules import flat_starts
 
-        def error(param, grad, states) -> str:
+        def error(fn) -> str:
+            # DTensor raises a strategy's error as a RuntimeError from it: pin the strategy's
             with self.assertRaises(Exception) as info:
-                fused_update([param], [grad], states, torch.zeros(9), "unused")
-            return f"{type(info.exception).__name__}: {info.exception}"
+                fn()
+            cause = info.exception.__cause__ or info.exception
+            return f"{type(cause).__name__}: {cause}"
+
+        def update(param, grad, states, hyper=None, **kwargs):
+            hyper = DTensor.from_local(torch.zeros(9), mesh, [Replicate()]) if hyper is None else hyper
+            return error(lambda: fused_update([param], [grad], states, hyper, "unused", **kwargs))
 
         with local_tensor.LocalTensorMode(WORLD):
             mesh = init_device_mesh("cpu", (4,))
@@ -191,17 +198,18 @@ class TestDTensorStatePins(expecttest.TestCase):
             g = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(0)])
             r = distribute_tensor(torch.zeros(8, 16), mesh, [Replicate()])
             partial = DTensor.from_local(torch.zeros(8, 16), mesh, [Partial()])
-            self.assertExpectedInline(error(p, g, [r]), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
-            self.assertExpectedInline(error(p, torch.zeros(8, 16), [g]), """TypeError: qstate::fused_update on DTensors: params[0]: grad is a LocalTensor, expected a DTensor""")
-            self.assertExpectedInline(error(partial, partial, []), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            self.assertExpectedInline(update(p, g, [r]), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: states[0] must match param (shape (8, 16), placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,))), got shape (8, 16), placements (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
+            self.assertExpectedInline(update(p, torch.zeros(8, 16), [g]), """RuntimeError: qstate.fused_update.default got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!""")
+            self.assertExpectedInline(update(partial, partial, []), """LayoutMismatch: qstate::fused_update on DTensors: params[0]: Partial placements (Partial(sum),) are not shards of the update; redistribute first""")
+            self.assertExpectedInline(update(p, g, [g], hyper=distribute_tensor(torch.zeros(12), mesh, [Shard(0)])), """ValueError: qstate::fused_update on DTensors: hyper must be replicated, got (Shard(dim=0),)""")
             # stochastic-rounding keys: each shard must be one range of the flat parameter (its draws' places)
             cols = distribute_tensor(torch.zeros(8, 16), mesh, [Shard(1)])
-            with self.assertRaises(Exception) as info:
-                fused_update([cols], [cols], [], torch.zeros(9), "unused", sr_keys=[1])
-            self.assertExpectedInline(f"{type(info.exception).__name__}: {info.exception}", """LayoutMismatch: qstate::fused_update on DTensors with sr_keys: params[0]: placements (Shard(dim=1),) do not keep each shard one range of the flat parameter (Shard(0) and Replicate do)""")
-            with self.assertRaises(ValueError) as info:  # the lists must pair up (DTensors or not)
-                fused_update([p, p], [g], [r], torch.zeros(9), "unused")
-            self.assertExpectedInline(str(info.exception), """qstate::fused_update: expected one grad per param and the same number of states per param, got 2 params, 1 grads, 1 states""")
+            self.assertExpectedInline(error(lambda: flat_starts(cols)), """LayoutMismatch: placements (Shard(dim=1),) do not keep each shard one range of the flat parameter (Shard(0) and Replicate do)""")
+            replicated_start = DTensor.from_local(torch.zeros(1, dtype=torch.int64), mesh, [Replicate()])
+            self.assertExpectedInline(update(p, g, [g], sr_keys=[1], starts=[replicated_start]), """LayoutMismatch: qstate::fused_update on DTensors: starts[0] must have params[0]'s placements (Shard(dim=0),) on DeviceMesh((4,), 'cpu', stride=(1,)), got (Replicate(),) on DeviceMesh((4,), 'cpu', stride=(1,))""")
+            self.assertExpectedInline(update(cols, cols, [], sr_keys=[1], starts=[replicated_start]), """LayoutMismatch: qstate::fused_update on DTensors with starts: params[0]: placements (Shard(dim=1),) do not keep each shard one range of the flat parameter (Shard(0) and Replicate do)""")
+            # the lists must pair up (DTensors or not)
+            self.assertExpectedInline(error(lambda: fused_update([p, p], [g], [r], DTensor.from_local(torch.zeros(9), mesh, [Replicate()]), "unused")), """ValueError: qstate::fused_update: expected one grad per param and the same number of states per param, got 2 params, 1 grads, 1 states""")
 
 
 def test_policy_uses_global_numel_same_type_on_every_rank():
@@ -238,8 +246,8 @@ def test_states_stay_on_the_local_device_when_the_mesh_is_elsewhere():
 
 
 def test_optimizer_step_on_simulated_ranks_equals_the_unsharded_step():
-    # under LocalTensorMode the fused_update handler re-dispatches the op on the LocalTensor shards
-    # (the mode runs it per rank) instead of calling the shard kernel directly; rows 10 over 4 ranks
+    # under LocalTensorMode DTensor calls the op on the LocalTensor shards (the mode runs it per rank)
+    # as on a real rank's shards; rows 10 over 4 ranks
     # are uneven, and 8-bit blocks never cross rows, so every shard's update is exact
     from qstate.optim import AdamW
 
@@ -262,6 +270,39 @@ def test_optimizer_step_on_simulated_ranks_equals_the_unsharded_step():
     assert len(params) == WORLD and all(torch.equal(x, ref.detach()) for x in params)
     want = ref_opt.state[ref]["exp_avg"].dequantize()
     assert all(torch.equal(x.dequantize(), want) for x in exp_avgs)
+
+
+def test_op_step_with_empty_shards_equals_the_unsharded_step():
+    # DTensor's strategy for qstate::fused_update keeps every shard as it is, empty ones included: a
+    # [2, 4096] parameter over 4 simulated ranks leaves ranks 2 and 3 nothing, a [10, 600] one uneven
+    # shards; every rank equals the unsharded steps, and the steps issue no collectives. (Stochastic
+    # draws by each shard's start on real ranks: test_optim_fsdp's 4-bit compiled cases.)
+    from qstate.optim import AdamW
+
+    torch.manual_seed(0)
+    fulls = [torch.randn(10, 600), torch.randn(2, 4096)]
+    grads = [[torch.randn(f.shape) for f in fulls] for _ in range(3)]
+    kwargs = dict(lr=1e-2, state_format="8bit", compile=True)
+    refs = [torch.nn.Parameter(f.clone()) for f in fulls]
+    ref_opt = AdamW(refs, **kwargs)
+    for step_grads in grads:
+        for r, g in zip(refs, step_grads):
+            r.grad = g.clone()
+        ref_opt.step()
+    with local_tensor.LocalTensorMode(WORLD):
+        mesh = init_device_mesh("cpu", (4,))
+        ps = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
+        opt = AdamW(ps, **kwargs)
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+            with CommDebugMode() as comm:
+                opt.step()
+            assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        assert ps[1].to_local()._local_tensors[3].numel() == 0
+        params = [_ranks(p.full_tensor()) for p in ps]
+    for ranks, ref in zip(params, refs):
+        assert len(ranks) == WORLD and all(torch.equal(x, ref.detach()) for x in ranks)
 
 
 def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():

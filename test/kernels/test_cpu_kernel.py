@@ -838,7 +838,8 @@ _ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
 
 
 def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
-    """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors."""
+    """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors;
+    ``starts``: ints (default 0 for each parameter)."""
     from qstate._library import fused_update
     from qstate.optim._fused_op import fused_kind
     from qstate.optim._rules import RULES
@@ -846,12 +847,13 @@ def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     hyper = torch.tensor([1e-2, 1.0] + [RULES["adam"].scalars(group, 1)[n] for n in RULES["adam"].scalar_names[2:]])
     kind = kind or fused_kind("adam", _ADAMW_FLAGS, True)
+    starts = [torch.tensor([s]) for s in (starts or [0] * len(ps))]
     fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys, starts=starts)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])
 def test_stochastic_rounding_draws_by_place_in_the_full_tensor(fmt):
-    # the op's sr_keys and starts (DTensor's handler gives each shard its first element's flat index): the
+    # the op's sr_keys and starts (DTensor's strategy gives each shard its first element's flat index): the
     # update of a tensor's row ranges, each with its start, is the whole tensor's update bit for bit (states'
     # blocks never cross rows); with start 0 the second range draws other bits
     gen = torch.Generator().manual_seed(0)
@@ -912,6 +914,9 @@ class TestSrKeysErrors(expecttest.TestCase):
                 fn()
             return f"{type(info.exception).__name__}: {info.exception}"
 
-        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, no starts""")
+        self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, 1 starts""")
+        # keys come with starts (a shard's draws need its place in the full tensor)
+        hyper = torch.zeros(9)
+        self.assertExpectedInline(error(lambda: torch.ops.qstate.fused_update([ok], [g], st[0], hyper, fused_kind("adam", _ADAMW_FLAGS, True), sr_keys=[1])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 1 sr_keys, no starts""")
         for t, b in zip((ok, *st[0], *st[1]), before):
             assert torch.equal(t, b)
