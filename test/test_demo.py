@@ -101,9 +101,11 @@ def failing_body(rank: int, world_size: int, cfg: DemoConfig, ckpt_dir: str, out
         raise ValueError(f"boom on rank {rank}")
 
 
-def test_rank_failure_carries_the_traceback(tmp_path):
+def test_rank_failure_carries_the_traceback(monkeypatch, tmp_path):
+    # the demo's training run, with a body that fails on rank 1
+    monkeypatch.setattr(qstate.demo, "train_body", failing_body)
     with pytest.raises(RankFailure) as info:
-        qstate.demo._spawn(failing_body, 2, DemoConfig(), os.fspath(tmp_path))
+        qstate.demo.demo(DemoConfig(), os.fspath(tmp_path))
     msg = str(info.value)
     assert msg.startswith("failing_body failed on 2 ranks:\n"), msg
     assert "Traceback (most recent call last)" in msg and "ValueError: boom on rank 1" in msg, msg

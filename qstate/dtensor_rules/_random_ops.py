@@ -8,7 +8,8 @@ of element ``i`` (its row-major index in the *global* tensor) is::
     bits(i) = splitmix64(key + (i + 1) * 0x9E3779B97F4A7C15)
 
 with one 63-bit ``key`` drawn per call from the generator (the ``generator=``
-argument, else the default generator of the mesh's device).  Hence:
+argument, else the default generator of the mesh's device) as ``torch.empty((),
+dtype=torch.int64).random_(generator=generator)`` draws it.  Hence:
 
 * shards are independent (distinct ``i``), and a shard equals the same slice of
   the full tensor produced by :func:`positional_randint_like` & co. on a plain

@@ -54,7 +54,14 @@ def _from_ordered_key(k: Tensor) -> Tensor:
 
 
 def _code_thresholds(qmap: Tensor) -> Tensor:
-    """``t[c]``: the largest float32 ``y`` in ``[-1, 1]`` with ``nearest_code(y) <= c``."""
+    """``t[c]``: the largest float32 ``y`` in ``[-1, 1]`` with ``nearest_code(y) <= c`` (public as
+    :func:`qstate.optim.code_thresholds`).
+
+    The rounding thresholds of a sorted code map ``qmap`` (float32, ``[-1, 1]``), found by bisection
+    over float bit patterns, so they match :func:`~qstate.formats.nearest_code` exactly (ties
+    included): a normalized value ``y`` rounds to nearest as the first ``c`` with ``y <= t[c]``. The
+    kernels' encode tables are built from them; values within a few ulps of ``t[c]`` are where an
+    inexact encode would differ."""
     n = qmap.numel()
     lo = torch.full((n,), int(_ordered_key(torch.tensor([-1.0]))), dtype=torch.long)
     hi = torch.full((n,), int(_ordered_key(torch.tensor([1.0]))), dtype=torch.long)
@@ -219,7 +226,10 @@ _CODECS: dict[tuple, Codec] = {}
 
 
 def get_codec(fmt: str, signed: bool, device: torch.device) -> Codec:
-    """The (cached) codec of ``fmt``/``signed`` on ``device``."""
+    """The (cached) :class:`Codec` of ``fmt``/``signed`` on ``device`` (public as
+    :func:`qstate.optim.get_codec`): the per-element encode/decode of normalized values into a
+    format's ``uint8`` codes that the fused kernels trace, equal to the format's ``code_of`` /
+    ``value_of`` bit for bit; ``codec.tables`` are the tensors its encode and decode take."""
     codec = _CODECS.get((fmt, signed, device))  # as asked (every step): no device object to build
     if codec is None:
         dev = torch.device(device)

@@ -299,7 +299,11 @@ def kernel_kinds() -> list[str]:
 
 
 def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-    """Whether the fused kernels can run this update (plain tensors / plain QuantizedStates)."""
+    """Whether the fused kernels (the C kernel, inductor's) can run the update of ``p`` with ``g`` and
+    ``states`` (public as :func:`qstate.optim.fusable`): plain contiguous tensors of one shape and
+    device, and plain states or float32 :class:`~qstate.QuantizedState` s of one row layout whose map
+    is their format's (compared once, until the map's version counter moves) and whose rounding the
+    format's codec implements. Anything else runs the rule's math op by op."""
     if type(p) not in (Tensor, torch.nn.Parameter) or type(g) is not Tensor:
         return False
     device, shape = p.device, p.shape

@@ -44,7 +44,6 @@ from dtensor_harness import (
 )
 from qstate.dtensor_rules import _compat
 from qstate import _splitmix64
-from qstate.dtensor_rules._random_ops import mix64
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -455,9 +454,13 @@ def test_positional_stream_is_splitmix64_and_in_range() -> None:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    key = 0x123456789ABCDEF
-    got = mix64(torch.tensor(key), torch.arange(257)).tolist()
-    assert [v & mask for v in got] == [splitmix64(key, i) for i in range(257)]
+    # the raw stream: randint over the whole int64 range adds its low end to each output (mod 2**64), under
+    # the key that one random_() of an int64 scalar draws from the generator
+    for seed in (0, 1, 2):
+        key = int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed)))
+        got = rules.positional_randint_like(torch.empty(257, dtype=torch.int64), -(2**63), 2**63,
+                                            generator=torch.Generator().manual_seed(seed)).tolist()
+        assert [(v + 2**63) & mask for v in got] == [splitmix64(key, i) for i in range(257)]
     # the Python-int form (the C kernel's ParamKeys), keys of all sizes
     for k in (0, key, mask, 1 << 63):
         assert [_splitmix64.mix(k + (i + 1) * _splitmix64.GAMMA) for i in range(65)] == [splitmix64(k, i)
@@ -542,7 +545,7 @@ def test_stochastic_rounding_sequence(shape, mesh_shape, placements) -> None:
 def test_qstate_stochastic_rounding_needs_no_opt_in_rule(torch_rules: None, shape, mesh_shape, placements) -> None:
     """What the optimizers run on DTensors (``key_draws`` + ``stochastic_round_bf16``) gives the
     unsharded bits shard by shard under torch's own rules: only qstate's ops' rules are needed."""
-    from qstate.optim._rounding import key_draws
+    from qstate.optim import key_draws
     from qstate.optim import stochastic_round_bf16 as qstate_round
 
     h = harness()

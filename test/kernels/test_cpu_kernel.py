@@ -12,10 +12,8 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import _cpu_kernel, _prepared, cpu_kernel_enabled
+from qstate.optim import KernelSpec, StateKind, _cpu_kernel, _prepared, cpu_kernel_enabled
 from qstate.optim import functional as F
-from qstate.optim._kernels import KernelSpec
-from qstate.optim._state_kind import StateKind
 
 #: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D, and rows of several segments
 #: (_cpu_kernel._MIN_ENC8_UNIT) ending in a partial one
@@ -354,12 +352,11 @@ def test_one_build_per_kind_not_per_shape(monkeypatch):
 
 def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
     """The C kernel's stochastic rounding (``store_p_sr``, ``param_draw``) of float32 ``value`` with the 64-bit
-    ``key``, in torch ops: qstate.optim._rounding's rule with its position_draws of each element's flat index.
-    ``value`` finite."""
-    from qstate import _splitmix64
-    from qstate.optim._rounding import position_draws, stochastic_round_bf16
+    ``key``, in torch ops: qstate.optim.stochastic_round_bf16 with the position_draws of each element's flat
+    index. ``value`` finite."""
+    from qstate.optim import position_draws, stochastic_round_bf16
 
-    draws = position_draws(torch.tensor(_splitmix64.as_int64(key)), torch.arange(value.numel(), dtype=torch.int64))
+    draws = position_draws(key, torch.arange(value.numel(), dtype=torch.int64))
     return stochastic_round_bf16(value.flatten(), draws).reshape(value.shape)
 
 
@@ -437,7 +434,7 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # bits, then code = lower code c + (y > t_c), with the tables' t_zero = +0 for unsigned states;
     # emulated here on every threshold and its float neighbours, map entries, specials and values over
     # 9 decades, against Codec.encode
-    from qstate.optim._codec import get_codec
+    from qstate.optim import get_codec
 
     codec = get_codec("8bit", signed, "cpu")
     binade, bucket, t = _cpu_kernel._binade_tables("8bit", signed)
@@ -612,13 +609,13 @@ def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.T
     """Inputs of a map format's vector-encode checker: every 512th float in [0, 1], each threshold and map
     value of both signednesses with its float neighbours, and ``specials``, all with both signs (clamped
     to [-1, 1] if ``clamp``), in a scrambled order (unrelated codes side by side); ``multiple`` divides the count."""
-    from qstate.optim._codec import _code_thresholds, get_codec
+    from qstate.optim import code_thresholds, get_codec
 
     sweep = torch.arange(0, 0x3F800001, 512, dtype=torch.int64).to(torch.int32).view(torch.float32)
     marks = [torch.tensor(specials)]
     for signed in (True, False):
         codec = get_codec(fmt, signed, "cpu")
-        for v in (codec.qmap, _code_thresholds(codec.qmap)):
+        for v in (codec.qmap, code_thresholds(codec.qmap)):
             marks += [v, torch.nextafter(v, torch.tensor(2.0)), torch.nextafter(v, torch.tensor(-2.0))]
     y = torch.cat([sweep, -sweep] + [m.abs() for m in marks] + [-m.abs() for m in marks])
     y = y.clamp(-1, 1) if clamp else y
@@ -743,7 +740,7 @@ def test_state_stochastic_rounding_draws_by_position(fmt):
     # (state i = 0: the first moment); ragged rows (vector loops, then scalar tails) and a start just below
     # 2**32, so that the low word of n wraps inside a row (the carry into the high word)
     from qstate.formats import position_hash32, state_key, stochastic_code
-    from qstate.optim._codec import get_codec
+    from qstate.optim import get_codec
 
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, 203, generator=gen) * 10 ** (2 * torch.rand(3, 203, generator=gen) - 1)

@@ -86,13 +86,13 @@ def test_packed_table_encode_is_exact_at_every_threshold(fmt, signed):
     # the packed one-lookup encode (_codec.build_tables) against format.code_of on float bit patterns
     # spread over [-1, 1] and on every code threshold +- 3 ulps (where an inexact table would differ)
     from qstate.formats import get_format
-    from qstate.optim._codec import _code_thresholds, get_codec
+    from qstate.optim import code_thresholds, get_codec
 
     f = get_format(fmt)
     codec = get_codec(fmt, signed, torch.device("cpu"))
     top = int(torch.tensor(1.0).view(torch.int32))
     spread = torch.arange(0, top + 1, 997, dtype=torch.int32).view(torch.float32)
-    t = _code_thresholds(codec.qmap)
+    t = code_thresholds(codec.qmap)
     near = [t]
     for direction in (2.0, -2.0):
         x = t
@@ -111,7 +111,7 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
     # the kernels' encode (table lookup for the nearest code, then the shared stochastic_code) against
     # the eager MapFormat.code_of (searchsorted, then stochastic_code), bit for bit; map entries exact
     from qstate.formats import get_format
-    from qstate.optim._codec import get_codec
+    from qstate.optim import get_codec
 
     f = get_format(fmt)
     qmap = f.make_qmap(True)
@@ -125,8 +125,7 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
 
 
 def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes():
-    from qstate.optim._kernels import fusable
-    from qstate.optim._state_kind import StateKind
+    from qstate.optim import StateKind, fusable
 
     p, g = torch.randn(8, 64), torch.randn(8, 64)
     m = qstate.zeros_like(p, "4bit", rounding="stochastic")
@@ -143,7 +142,7 @@ def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes()
 
 def test_a_state_map_written_in_place_is_no_longer_fusable():
     # fusable() remembers a map it compared equal, until the map's version counter moves
-    from qstate.optim._kernels import fusable
+    from qstate.optim import fusable
 
     p, g = torch.randn(8, 256), torch.randn(8, 256)
     m = qstate.zeros_like(p, "8bit")
@@ -191,8 +190,9 @@ def test_fused_update_passes_opcheck(state_format):
     its schema's mutations (params and states written, grads and hyper not) and its fake kernel."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from qstate._library import fused_update
     from qstate.optim import AdamW
+
+    fused_update = torch.ops.qstate.fused_update.default
 
     class Capture(TorchDispatchMode):
         calls: list = []

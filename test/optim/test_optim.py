@@ -12,9 +12,8 @@ import torch
 
 import qstate
 from qstate.formats import FORMATS, get_format
-from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound, cpu_kernel_enabled
+from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound, cpu_kernel_enabled, get_codec
 from qstate.optim import functional as F
-from qstate.optim._codec import get_codec
 from test_optim_cases import SHAPES, clone_params, grads, params, run_steps
 
 
@@ -289,17 +288,19 @@ def test_accelerator_lr_with_cpu_params_never_mixes_devices(quantized):
 
 
 def test_accelerator_lr_reaches_compiled_kernels_on_the_param_device():
-    # the compiled path takes one scalar vector, built on the parameter's device
+    # the compiled path takes one scalar vector, built on the parameter's device. Private: without an
+    # accelerator no public call reaches it (FakeTensor parameters take the eager path, and a fake lr with
+    # real parameters would hand the C kernel a fake pointer); test/cuda_checks.py runs the real case
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from qstate.optim._step import _Scalars
-    from qstate.optim._rules import RULES
+    from qstate.optim.adam import ADAM
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         lr = torch.empty((), device="cuda")
-        s = _Scalars(RULES["adam"], {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, lr)
+        s = _Scalars(ADAM, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, lr)
         hyper = s.hyper(3, torch.device("cpu"))
-        assert hyper.device.type == "cpu" and hyper.shape == (len(RULES["adam"].scalar_names),)
+        assert hyper.device.type == "cpu" and hyper.shape == (len(ADAM.scalar_names),)
         assert s.eager(3, torch.device("cpu"))["lr"].device.type == "cpu"
 
 

@@ -58,15 +58,24 @@ def _seeds(opt) -> torch.Tensor:
 
 
 def _replicas(rank: int, world_size: int) -> None:
-    from qstate.optim._base import _collective_device
-
-    assert _collective_device() == torch.device("cpu")  # gloo
     # seed=None: each rank draws its own seed at construction (no collective); the first step agrees on rank 0's
+    # with one broadcast of one int64, on the CPU (gloo broadcasts there)
     torch.manual_seed(rank)
     p = torch.nn.Parameter(_start())
     opt = _optimizer(p)
     assert not _same_on_every_rank(_seeds(opt))
-    _steps(p, opt, 0, STEPS)
+    broadcast, broadcasts = dist.broadcast, []
+
+    def recorded(tensor, *args, **kwargs):
+        broadcasts.append((tensor.dtype, tuple(tensor.shape), tensor.device))
+        return broadcast(tensor, *args, **kwargs)
+
+    dist.broadcast = recorded
+    try:
+        _steps(p, opt, 0, STEPS)
+    finally:
+        dist.broadcast = broadcast
+    assert broadcasts == [(torch.int64, (1,), torch.device("cpu"))]
     assert _same_on_every_rank(_seeds(opt))
     assert _same_on_every_rank(p)
     assert not torch.equal(p.detach(), _start())
