@@ -5,19 +5,24 @@ stochastic rounding where the shards run a fused kernel, with ``sr_keys`` and, o
 ``starts``, see :mod:`qstate._library`). On DTensors, DTensor's sharding strategy for it
 (:mod:`qstate.dtensor_rules._fused_ops`) keeps every tensor in its layout (each gradient and
 state must share its parameter's, else ``LayoutMismatch`` before any write) and calls the op on
-the shards, so the step code never unwraps a DTensor and issues no collectives. On plain tensors
-and shards:
+the shards, so the step code never unwraps a DTensor and issues no collectives.
 
-* plain states: the ``CompositeExplicitAutograd`` kernel below;
-* :class:`~qstate.QuantizedState` states: the same function, registered in
-  QuantizedState's op table (the subclass sees the op first).
+Kernels, as registrations of the op (the dispatcher picks by device):
 
-Both run a shard's prepared call where it has a valid one (:mod:`._prepared`: the C or
-inductor kernel and its arguments from an earlier step; queued, one group per kernel), else
-:func:`~qstate.optim._kernels.run_fused` (one compiled graph per kernel kind, as for local
-tensors) when the shard is fusable, else the same rule math op by op; calls built by
-:func:`eager_call` (small plain states) always run the math op by op. ``kind`` is the key of a
-:class:`FusedCall` registered by :func:`call_key` (rule, static flags, stochastic rounding, eager).
+* ``CPU``: :func:`update_cpu`, the C kernel for the kinds it takes, inductor's for the others;
+* ``CompositeExplicitAutograd`` (the default: CUDA, any other device): :func:`update_default`,
+  inductor's compiled kernel of each kind (:func:`~qstate.optim._kernels.run_compiled`);
+* Meta/fake: shapes only (:mod:`qstate._library`);
+* :class:`~qstate.QuantizedState` states: the subclass sees the op first; its handler calls the
+  parameters' device's kernel (:data:`KERNELS`), which reads and writes the states' codes and scales.
+
+Each runs a parameter's prepared call where it has a valid one (:mod:`._prepared`: the C or
+inductor kernel and its arguments from an earlier step, a cache private to the kernels; queued,
+one group per kernel), else its fused kernel when the fused kernels take the tensors
+(:func:`~qstate.optim._kernels.fusable`), else the rule's math op by op (:func:`update_eagerly`,
+also the reference the kernels' tests compare with); calls built by :func:`eager_call` (small
+plain states) always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
+registered by :func:`call_key` (rule, static flags, stochastic rounding, eager).
 """
 
 from __future__ import annotations
@@ -34,12 +39,12 @@ from .. import _splitmix64 as splitmix64
 from .._library import LIBRARY, fused_update, states_per_param
 from ..ops import register
 from . import _cpu_kernel, _prepared
-from ._kernels import KernelSpec, fusable, run_fused
+from ._kernels import KernelSpec, fusable, run_compiled
 from ._prepared import PendingCalls
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "update_shards"]
+__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "KERNELS", "update_cpu", "update_default"]
 
 
 @dataclass(frozen=True)
@@ -94,11 +99,37 @@ def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: tor
     return h
 
 
-def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
-                  hyper: Tensor, kind: str, sr_keys: Optional[Sequence[int]] = None,
-                  starts: Optional[Sequence[Tensor]] = None) -> None:
-    """The op's kernel: each parameter's update (see :mod:`qstate._library` for the lists' layout,
-    ``sr_keys`` and ``starts``).
+def update_default(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
+                   kind: str, sr_keys: Optional[Sequence[int]] = None,
+                   starts: Optional[Sequence[Tensor]] = None) -> None:
+    """The op's default kernel (``CompositeExplicitAutograd``: CUDA and every device without a kernel of
+    its own): inductor's compiled kernel of each fusable parameter's kind, the rule's math op by op for
+    the others."""
+    _update(run_compiled, params, grads, states, hyper, kind, sr_keys, starts)
+
+
+def update_cpu(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
+               kind: str, sr_keys: Optional[Sequence[int]] = None,
+               starts: Optional[Sequence[Tensor]] = None) -> None:
+    """The op's CPU kernel: the C kernel for the kinds it takes (:func:`._cpu_kernel.supports`; the same
+    bits as inductor's), inductor's compiled kernel for the other fusable ones, the rule's math op by op
+    for the rest."""
+    _update(_run_on_cpu, params, grads, states, hyper, kind, sr_keys, starts)
+
+
+def _run_on_cpu(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
+                key: Optional[int], start: int) -> None:
+    if _cpu_kernel.supports(spec, p.device, g.dtype):
+        _cpu_kernel.run(spec, p, g, states, hyper, key, start)
+    else:
+        run_compiled(spec, p, g, states, hyper, key, start)
+
+
+def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
+            hyper: Tensor, kind: str, sr_keys: Optional[Sequence[int]], starts: Optional[Sequence[Tensor]]) -> None:
+    """Each parameter's update (see :mod:`qstate._library` for the lists' layout, ``sr_keys`` and
+    ``starts``): its prepared call where it has a valid one, else ``fused_kernel`` where the fused kernels
+    take its tensors, else the rule's math op by op.
 
     With ``sr_keys`` each parameter's draws (a bf16 parameter's with stochastic rounding, its states'
     with stochastic rounding) follow its key and each element's place in the full tensor, in the fused
@@ -119,7 +150,7 @@ def update_shards(params: Sequence[Tensor], grads: Sequence[Tensor], states: Seq
             pending.add(found, param, grad, None, hyper, key=sr_key)
         else:
             pending.before(param)
-            _update_shard(param, grad, shard_states, hyper, call, key, start)
+            _update_shard(fused_kernel, param, grad, shard_states, hyper, call, key, start)
     pending.run()
 
 
@@ -137,11 +168,11 @@ def _start_value(start: Tensor) -> int:
     return value
 
 
-def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor, call: FusedCall,
-                  key: Optional[int], start: int) -> None:
+def _update_shard(fused_kernel, param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor,
+                  call: FusedCall, key: Optional[int], start: int) -> None:
     if not call.eager and fusable(param, grad, states):
         spec = KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round)
-        run_fused(spec, param, grad, states, hyper, key, start)
+        fused_kernel(spec, param, grad, states, hyper, key, start)
         return
     rule = RULES[call.rule]
     if call.eager:
@@ -152,11 +183,18 @@ def _update_shard(param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tens
     update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round, key, start)
 
 
-LIBRARY.impl("fused_update", update_shards, "CompositeExplicitAutograd")
+#: the op's kernel per dispatch key: the dispatcher picks for plain tensors
+KERNELS = {"CPU": update_cpu, "CompositeExplicitAutograd": update_default}
+for _key, _kernel in KERNELS.items():
+    LIBRARY.impl("fused_update", _kernel, _key)
 
 
-# shards with QuantizedState states (the optimizer's step on quantized DTensor states): the update
-# reads and writes their codes/scales itself
+# QuantizedState states (the subclass sees the op first): the kernels read and write their codes and
+# scales themselves, so the handler calls the kernel of the parameters' device with the states as they
+# are (below the Python key the dispatcher would pick the same; redispatching there would leave Python
+# dispatch off inside the kernels, which the states' own ops and inductor's tracing need)
 @register(fused_update)
 def _fused_update_on_states(func, args, kwargs):
-    update_shards(*args, **kwargs)
+    params = args[0]
+    on_cpu = bool(params) and params[0].device.type == "cpu"
+    (KERNELS["CPU"] if on_cpu else KERNELS["CompositeExplicitAutograd"])(*args, **kwargs)

@@ -33,7 +33,7 @@ Shape independence
   parameter update in the same iteration (the new states are recomputed, not
   stored: ``_RECOMPUTE_OPTIONS``; kinds with heavier encodes store them). The new
   scales are returned (the old ones are still read in that loop) and copied by
-  :func:`run_fused`.
+  :func:`run_compiled`.
 * Every block row's update reads only that row and the scalars, so the
   calls of one kind may run as one over concatenated copies of their block
   rows (plain kinds: of their elements), the parameter as a single row of
@@ -45,8 +45,9 @@ On CPU, the kinds :func:`._cpu_kernel.supports` takes (states all 8bit /
 hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
 bit (a stochastically rounded bfloat16 parameter's too: both kernels hash a
 key and each element's index, :func:`._rounding.position_draws`), one build
-per kind, about 5x faster than inductor's code for quantized states.
-:func:`run_fused` chooses.
+per kind, about 5x faster than inductor's code for quantized states: the
+op's CPU kernel (``_fused_op.update_cpu``) chooses; :func:`run_compiled` runs
+inductor's.
 
 Only plain ``QuantizedState`` / plain tensors on the same device take this
 path; DTensor parameters reach it shard by shard through the operator
@@ -74,7 +75,7 @@ from ._rules import RULES, UpdateRule
 from ._state_kind import StateKind
 from ._rounding import position_draws, store_param
 
-__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_kinds", "run_fused"]
+__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_kinds", "run_compiled"]
 
 
 class KernelSpec(NamedTuple):
@@ -101,13 +102,13 @@ class KernelSpec(NamedTuple):
     def keyed(self) -> bool:
         """Whether the kind draws by position under a key (:mod:`qstate.formats._rounding`): it writes a
         bfloat16 parameter or a state with stochastic rounding. Its kernels then take the key and each
-        element's place (:func:`run_fused`)."""
+        element's place (:func:`run_compiled`)."""
         return self.param_sr or any(s.rounding == "stochastic" for s in self.states)
 
     @property
     def param_sr(self) -> bool:
         """Whether the kind writes its bfloat16 parameter with stochastic rounding: its kernels then take
-        the draws' key and place (:func:`run_fused`)."""
+        the draws' key and place (:func:`run_compiled`)."""
         return self.stochastic_round and self.param_dtype == torch.bfloat16
 
     def tag(self) -> str:
@@ -406,7 +407,7 @@ def _static_config():
 
 
 class PreparedKernelCall(PreparedUpdate):
-    """One parameter's compiled-kernel update (:func:`run_fused`), ready to run again (:mod:`._prepared`).
+    """One parameter's compiled-kernel update (:func:`run_compiled`), ready to run again (:mod:`._prepared`).
 
     Holds the compiled kernel and its arguments but the gradient, the scalars and the stochastic-rounding
     keys (a plain kind's place, which holds its key): the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
@@ -646,20 +647,14 @@ def _no_place(device: torch.device) -> Tensor:
     return place
 
 
-def run_fused(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
-              key: Optional[int] = None, start: int = 0) -> None:
-    """One fused update of ``p`` and its ``states`` (``hyper``: the rule's scalars on ``p.device``), and the
-    prepared call of this update for the next steps (:mod:`._prepared`).
-
-    Kinds the hand-written CPU kernel takes run there (:mod:`._cpu_kernel`, same results); the others
-    run the compiled inductor kernel of their kind (:class:`PreparedKernelCall`). A ``keyed`` kind's
-    draws hash ``key`` (64 bits; None: :func:`._cpu_kernel.param_key` drawn now) with each element's flat
-    index in the full tensor ``p`` is a part of (``start``: its first element's), the same in both kernels
-    (:func:`._rounding.position_draws`).
+def run_compiled(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
+                 key: Optional[int] = None, start: int = 0) -> None:
+    """One update of ``p`` and its ``states`` by the compiled inductor kernel of its kind (``hyper``: the
+    rule's scalars on ``p.device``), and the prepared call of this update for the next steps
+    (:mod:`._prepared`). A ``keyed`` kind's draws hash ``key`` (64 bits; None:
+    :func:`._cpu_kernel.param_key` drawn now) with each element's flat index in the full tensor ``p`` is
+    a part of (``start``: its first element's), as the C kernel's (:func:`._rounding.position_draws`).
     """
-    if _cpu_kernel.supports(spec, p.device, g.dtype):
-        _cpu_kernel.run(spec, p, g, states, hyper, key, start)
-        return
     call = PreparedKernelCall(spec, p, g, states, start)
     call(p, g, hyper, (_cpu_kernel.param_key() if key is None else key) if spec.keyed else 0)
     call.register()
