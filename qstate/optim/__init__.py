@@ -26,6 +26,7 @@ from ._codec import Codec, get_codec
 from ._codec import _code_thresholds as code_thresholds
 from ._base import PLAIN_FORMATS, POLICY_OPTIONS, STATE_FORMATS, QuantizedOptimizer
 from ._convert import convert_state_dict
+from ._fused_op import fused_kind
 from ._kernels import KernelSpec, fusable, kernel_kinds
 from ._rounding import key_draws, position_draws, stochastic_round_bf16
 from ._rules import StateSpec, UpdateRule, register_rule
@@ -38,7 +39,7 @@ from .sgd import SGD
 
 __all__ = [
     "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
-    "PLAIN_FORMATS", "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled",
+    "PLAIN_FORMATS", "POLICY_OPTIONS", "convert_state_dict", "kernel_kinds", "cpu_kernel_enabled", "fused_kind",
     "stochastic_round_bf16", "adam_bound", "adam_update_bound", "StateSpec", "UpdateRule", "register_rule",
     "StateKind", "KernelSpec", "fusable", "Codec", "get_codec", "code_thresholds", "position_draws", "key_draws",
 ]

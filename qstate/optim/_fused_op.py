@@ -80,7 +80,10 @@ def call_key(call: FusedCall) -> str:
 
 @functools.cache
 def fused_kind(rule: str, flags: tuple, stochastic_round: bool) -> str:
-    """``call_key(FusedCall(rule, flags, stochastic_round))``, memoized: asked every step."""
+    """The ``kind`` argument of ``torch.ops.qstate.fused_update`` for the registered rule ``rule`` with its
+    static ``flags`` (sorted ``(name, value)`` pairs) and bf16 stochastic rounding of the parameters
+    on/off; the op's ``hyper`` is then the rule's ``scalar_names`` in order, float32.
+    (``call_key(FusedCall(rule, flags, stochastic_round))``, memoized: asked every step.)"""
     return call_key(FusedCall(rule, flags, stochastic_round))
 
 

@@ -178,7 +178,7 @@ class TestDTensorStatePins(expecttest.TestCase):
                 qstate.quantize(p, "4bit")
 
     def test_fused_update_rejects_layouts_it_cannot_run_shard_by_shard(self):
-        from qstate._library import fused_update
+        fused_update = torch.ops.qstate.fused_update.default
         from qstate.dtensor_rules import flat_starts
 
         def error(fn) -> str:
@@ -344,7 +344,7 @@ def test_optimizer_step_is_one_op_call_that_dtensor_runs_on_the_shards():
     # (rows 0-2 of 10 and of 11 over 4 ranks), under a dispatch mode or not.
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from qstate._library import fused_update
+    fused_update = torch.ops.qstate.fused_update.default
     from qstate.optim import AdamW
 
     class RecordFusedUpdate(TorchDispatchMode):

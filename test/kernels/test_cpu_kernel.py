@@ -837,15 +837,15 @@ _ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
 def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
     """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors;
     ``starts``: ints (default 0 for each parameter)."""
-    from qstate._library import fused_update
-    from qstate.optim._fused_op import fused_kind
-    from qstate.optim._rules import RULES
+    from qstate.optim import fused_kind
+    from qstate.optim.adam import ADAM
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    hyper = torch.tensor([1e-2, 1.0] + [RULES["adam"].scalars(group, 1)[n] for n in RULES["adam"].scalar_names[2:]])
+    hyper = torch.tensor([1e-2, 1.0] + [ADAM.scalars(group, 1)[n] for n in ADAM.scalar_names[2:]])
     kind = kind or fused_kind("adam", _ADAMW_FLAGS, True)
     starts = [torch.tensor([s]) for s in (starts or [0] * len(ps))]
-    fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys, starts=starts)
+    torch.ops.qstate.fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys,
+                                  starts=starts)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])
@@ -877,17 +877,17 @@ def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op
     # a non-contiguous shard runs the rule's math op by op; with sr_keys and starts its draws still follow
     # each element's place in the full tensor: row ranges of a transposed tensor, each with its start, are
     # updated as the whole tensor is by the eager math with the same key (update_eagerly, key_draws)
-    from qstate.optim._rules import RULES
-    from qstate.optim._update import update_eagerly
+    from qstate.optim._update import update_eagerly  # the eager math with a given key: the reference
+    from qstate.optim.adam import ADAM
 
     gen = torch.Generator().manual_seed(0)
     p0, g = torch.randn(10, 300, generator=gen).bfloat16(), torch.randn(10, 300, generator=gen).bfloat16()
     key = 0x9E3779B97F4A7C15 - 2**64
     whole, st = p0.clone(), [torch.zeros(10, 300) for _ in range(2)]
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    h = {"lr": 1e-2, "grad_unscale": 1.0, **RULES["adam"].scalars(group, 1)}
-    h = {n: torch.tensor(h[n], dtype=torch.float32).item() for n in RULES["adam"].scalar_names}  # hyper's float32
-    update_eagerly(RULES["adam"], dict(_ADAMW_FLAGS), whole, g, st, h, True, key % 2**64)
+    h = {"lr": 1e-2, "grad_unscale": 1.0, **ADAM.scalars(group, 1)}
+    h = {n: torch.tensor(h[n], dtype=torch.float32).item() for n in ADAM.scalar_names}  # hyper's float32
+    update_eagerly(ADAM, dict(_ADAMW_FLAGS), whole, g, st, h, True, key % 2**64)
     parts = [p0[:4].t().contiguous().t(), p0[4:].t().contiguous().t()]  # not contiguous: no fused kernel
     assert not any(q.is_contiguous() for q in parts)
     states = [[torch.zeros(q.shape) for _ in range(2)] for q in parts]
@@ -899,7 +899,7 @@ def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op
 
 class TestSrKeysErrors(expecttest.TestCase):
     def test_sr_keys_need_a_stochastically_rounding_kind_and_change_nothing(self):
-        from qstate.optim._fused_op import fused_kind
+        from qstate.optim import fused_kind
 
         ok = torch.zeros(10, 300, dtype=torch.bfloat16)
         g = torch.ones(10, 300, dtype=torch.bfloat16)
