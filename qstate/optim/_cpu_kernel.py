@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
@@ -253,7 +254,8 @@ def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
 def param_key() -> int:
     """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
     ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
-    return int(torch.empty((), dtype=torch.int64).random_())
+    with _disable_current_modes():  # host data: drawn on the host, never by a mode (LocalTensorMode's per rank)
+        return int(torch.empty((), dtype=torch.int64).random_())
 
 
 class ParamKeys:

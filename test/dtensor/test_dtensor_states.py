@@ -272,17 +272,20 @@ def test_optimizer_step_on_simulated_ranks_equals_the_unsharded_step():
     assert all(torch.equal(x.dequantize(), want) for x in exp_avgs)
 
 
-def test_op_step_with_empty_shards_equals_the_unsharded_step():
-    # DTensor's strategy for qstate::fused_update keeps every shard as it is, empty ones included: a
-    # [2, 4096] parameter over 4 simulated ranks leaves ranks 2 and 3 nothing, a [10, 600] one uneven
-    # shards; every rank equals the unsharded steps, and the steps issue no collectives. (Stochastic
-    # draws by each shard's start on real ranks: test_optim_fsdp's 4-bit compiled cases.)
+@pytest.mark.parametrize("fmt,dtype,compile", [("8bit", torch.float32, True), ("4bit", torch.bfloat16, True),
+                                               ("4bit", torch.bfloat16, False)])
+def test_step_on_simulated_ranks_with_empty_shards_equals_the_unsharded_step(fmt, dtype, compile):
+    # on 4 simulated ranks: a [2, 4096] parameter leaves ranks 2 and 3 empty shards (DTensor's strategy for
+    # qstate::fused_update keeps them), a [10, 600] one uneven shards; every rank equals the unsharded
+    # steps bit for bit, states included, and the steps issue no collectives. With 4-bit states (stochastic
+    # first moments) and bf16 stochastic rounding, each shard draws by its place in the full parameter:
+    # its start (qstate.dtensor_rules.flat_starts) in the fused kernels, its indices op by op.
     from qstate.optim import AdamW
 
     torch.manual_seed(0)
-    fulls = [torch.randn(10, 600), torch.randn(2, 4096)]
-    grads = [[torch.randn(f.shape) for f in fulls] for _ in range(3)]
-    kwargs = dict(lr=1e-2, state_format="8bit", compile=True)
+    fulls = [torch.randn(10, 600).to(dtype), torch.randn(2, 4096).to(dtype)]
+    grads = [[torch.randn(f.shape).to(dtype) for f in fulls] for _ in range(3)]
+    kwargs = dict(lr=1e-2, state_format=fmt, compile=compile, seed=5, bf16_stochastic_round=dtype == torch.bfloat16)
     refs = [torch.nn.Parameter(f.clone()) for f in fulls]
     ref_opt = AdamW(refs, **kwargs)
     for step_grads in grads:
@@ -301,8 +304,11 @@ def test_op_step_with_empty_shards_equals_the_unsharded_step():
             assert comm.get_total_counts() == 0, comm.get_comm_counts()
         assert ps[1].to_local()._local_tensors[3].numel() == 0
         params = [_ranks(p.full_tensor()) for p in ps]
-    for ranks, ref in zip(params, refs):
+        exp_avgs = [_ranks(opt.state[p]["exp_avg"].full_tensor()) for p in ps]
+    for ranks, avgs, ref in zip(params, exp_avgs, refs):
         assert len(ranks) == WORLD and all(torch.equal(x, ref.detach()) for x in ranks)
+        want = ref_opt.state[ref]["exp_avg"]
+        assert all(torch.equal(x.codes, want.codes) and torch.equal(x.scale, want.scale) for x in avgs)
 
 
 def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
