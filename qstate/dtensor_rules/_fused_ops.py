@@ -172,9 +172,7 @@ def fused_update_strategy(op_schema: OpSchema) -> StrategyType:
     if starts is not None:
         for i, (param, start) in enumerate(zip(params, _specs(starts))):
             if not _flat_range(param):
-                raise LayoutMismatch(f"qstate::fused_update on DTensors with starts: params[{i}]: placements "
-                                     f"{param.placements} do not keep each shard one range of the flat parameter "
-                                     f"(Shard(0) and Replicate do)")
+                raise LayoutMismatch(f"qstate::fused_update on DTensors with starts: params[{i}]: {_not_flat(param)}")
             if start.mesh != param.mesh or start.placements != param.placements:
                 raise LayoutMismatch(f"qstate::fused_update on DTensors: starts[{i}] must have params[{i}]'s "
                                      f"placements {param.placements} on {param.mesh}, got {start.placements} on "

@@ -231,7 +231,7 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
             batch.run()
 
 
-def replicated(t: Tensor, mesh) -> Tensor:
+def _replicated(t: Tensor, mesh) -> Tensor:
     """``t`` as a DTensor replicated on ``mesh`` (every rank holds it already: no collectives)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -275,7 +275,7 @@ class _Batch:
         else:
             hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
         #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
-        self.hyper = hyper if mesh is None else replicated(hyper, mesh)
+        self.hyper = hyper if mesh is None else _replicated(hyper, mesh)
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[Tensor] = []
