@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import qstate
 from qstate.formats import FORMATS
 from qstate.optim import cpu_kernel_enabled
-from qstate.optim import _rules, _step
 from qstate.optim import functional as F
 from state_cases import written_by_update
 
@@ -156,60 +157,68 @@ def test_a_state_map_written_in_place_is_no_longer_fusable():
     assert not fusable(p, g, [m])
 
 
+class _RecordFusedUpdate(TorchDispatchMode):
+    """The arguments of each ``qstate::fused_update`` call (the call runs as it would)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.qstate.fused_update.default:
+            self.calls.append((args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-4, dtype=torch.float64), torch.tensor(0.1)])
-@pytest.mark.parametrize("unscale", [1.0, torch.tensor(0.25)])
-def test_the_kernel_vector_is_the_eager_scalars_in_float32(lr, unscale):
+@pytest.mark.parametrize("grad_scale", [None, torch.tensor(4.0)])
+def test_the_kernel_vector_is_the_eager_scalars_in_float32(lr, grad_scale):
     # the op's hyper vector (the C and inductor kernels' scalars) is the eager scalars converted to
-    # float32, whether built from floats on the host or on the device from tensor lr / unscale
-    rule = _rules.RULES["adam"]
+    # float32 (ADAM.scalars of the group and step; lr and 1 / grad_scale as given), whether built from
+    # floats on the host or on the device from a tensor lr / grad scale
+    from qstate.optim.adam import ADAM
+
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    s = _step._Scalars(rule, group, lr, unscale)
     for step in (1, 7, 1000):
-        f = s.floats(step)
-        parts = [torch.as_tensor(s.given_on(n, "cpu"), dtype=torch.float32).reshape(1) for n in ("lr", "grad_unscale")]
-        parts.append(torch.tensor([f[n] for n in rule.scalar_names[2:]], dtype=torch.float32))
-        want = torch.cat(parts)
-        assert torch.equal(s.hyper(step, torch.device("cpu")), want)
-        eager = s.eager(step, torch.device("cpu"))
-        assert torch.equal(torch.tensor([float(eager[n]) for n in rule.scalar_names], dtype=torch.float32), want)
+        p, g = torch.zeros(16, 16), torch.ones(16, 16)
+        states = [torch.zeros(16, 16), torch.zeros(16, 16)]
+        with _RecordFusedUpdate() as mode:
+            F.adamw([p], [g], *([s] for s in states), [torch.tensor(step - 1.0)], lr=lr, beta1=0.9, beta2=0.999,
+                    eps=1e-8, weight_decay=0.1, compile=True, grad_scale=grad_scale)
+        (args, _), = mode.calls
+        unscale = 1.0 if grad_scale is None else grad_scale.double().reciprocal().float().item()
+        scalars = {"lr": float(lr), "grad_unscale": unscale, **ADAM.scalars(group, step)}
+        want = torch.tensor([scalars[n] for n in ADAM.scalar_names], dtype=torch.float32)
+        assert torch.equal(args[3], want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64, torch.bfloat16])
 @pytest.mark.parametrize("start", [0, 255, 2**24 - 1, 2**24, 2**53])
 def test_step_counts_advance_as_an_in_place_add(dtype, start):
-    # _step._step_of advances a step tensor with a fill: the value `s += 1` gives, however it rounds
+    # a step tensor advances as `s += 1` does, however it rounds (the step reads and fills it)
     s, ref = torch.tensor(start, dtype=dtype), torch.tensor(start, dtype=dtype)
+    p, g, m, v = torch.zeros(4), torch.ones(4), torch.zeros(4), torch.zeros(4)
     for _ in range(3):
         ref += 1
-        assert _step._step_of(s) == int(ref.item()) and torch.equal(s, ref)
+        F.adamw([p], [g], [m], [v], [s], lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        assert torch.equal(s, ref)
 
 
 @pytest.mark.parametrize("state_format", ["fp32", "bf16", "8bit"])
 def test_fused_update_passes_opcheck(state_format):
     """``qstate::fused_update`` as an AdamW step calls it (captured), checked by ``torch.library.opcheck``:
     its schema's mutations (params and states written, grads and hyper not) and its fake kernel."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from qstate.optim import AdamW
-
-    fused_update = torch.ops.qstate.fused_update.default
-
-    class Capture(TorchDispatchMode):
-        calls: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is fused_update:
-                self.calls.append((args, kwargs or {}))
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(70, 64)), torch.nn.Parameter(torch.randn(64))]
     for p in ps:
         p.grad = torch.randn_like(p)
     opt = AdamW(ps, lr=1e-2, state_format=state_format)
-    with Capture() as capture:
+    with _RecordFusedUpdate() as capture:
         opt.step()
     assert len(capture.calls) >= 1
     for args, kwargs in capture.calls:
         copied = tuple([t.clone() for t in a] if isinstance(a, list) else a for a in args)
-        torch.library.opcheck(fused_update, copied, kwargs, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(torch.ops.qstate.fused_update.default, copied, kwargs,
+                              test_utils=("test_schema", "test_faketensor"))
