@@ -15,9 +15,9 @@ Paths
 The path is chosen once per parameter, in :func:`_apply`:
 
 * ``compile=True``: the operator ``qstate::fused_update``, one call per step,
-  device, kind and kind of tensor (plain or DTensor) over lists of
+  device, kind and DTensor mesh (plain tensors: none) over lists of
   parameters, gradients and states, as torch's fused AdamW calls
-  ``_fused_adamw_``. Its kernel (``_fused_op.py``) runs each parameter's
+  ``_fused_adamw_``. Its kernels (``_fused_op.py``, one per dispatch key) run each parameter's
   prepared call where it has a valid one (``_prepared.py``: the C or
   inductor kernel and its arguments from an earlier step, after identity and
   pointer checks; a step's prepared calls of one C kernel run as one C
@@ -29,17 +29,18 @@ The path is chosen once per parameter, in :func:`_apply`:
   elements (biases, norms) of kinds the C kernel does not take are a call of
   the op's eager kind (the math op by op with the eager scalars): faster
   than a compiled kernel's call for them, and nothing to compile.
-  On DTensors, DTensor's rule for the op checks that each gradient and state
-  shares its parameter's shape, mesh and (non-Partial) placements and runs
-  the op on the shards (no collectives); a parameter it rejects
+  On DTensors, DTensor's sharding strategy for the op checks that each gradient
+  and state shares its parameter's shape, mesh and (non-Partial) placements, and
+  DTensor runs the op on the shards (no collectives); a parameter it rejects
   (``LayoutMismatch``, before any write) takes the path below. With
   stochastic rounding (of a bf16 parameter, or of a state: 4-bit first
   moments by default) the op's ``sr_keys`` are the keys a plain parameter at
   that position gets, and every kernel draws by each element's place in the
-  full parameter (each shard one range of it: ``Shard(0)``/``Replicate``), so
+  full parameter (each shard one range of it: ``Shard(0)``/``Replicate``; its
+  start passed as ``starts``, :func:`~qstate.dtensor_rules.flat_starts`), so
   the sharded update is the unsharded one on any number of ranks.
 * otherwise (``compile=False``, tensors the op's kernels do not take,
-  layouts DTensor's rule rejects): the same math eagerly, op by op. A bf16
+  layouts DTensor's strategy rejects): the same math eagerly, op by op. A bf16
   parameter and the states round stochastically with the fused kernels' draws
   (its key, each element's index in the full parameter:
   ``qstate::flat_index_like``, which DTensor computes shard by shard for any

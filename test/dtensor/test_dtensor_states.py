@@ -345,8 +345,8 @@ def test_optimizer_step_runs_parameters_the_op_rejects_op_by_op():
 
 def test_optimizer_step_is_one_op_call_that_dtensor_runs_on_the_shards():
     # rank 0 of the fake world: each step calls qstate::fused_update once for its two DTensor
-    # parameters of one kind (as torch's fused AdamW calls _fused_adamw_ once), and DTensor's rule
-    # runs it on the local shards; every step equals the unsharded steps' rows that rank 0 holds
+    # parameters of one kind (as torch's fused AdamW calls _fused_adamw_ once), and through its sharding strategy
+    # DTensor runs it on the local shards; every step equals the unsharded steps' rows that rank 0 holds
     # (rows 0-2 of 10 and of 11 over 4 ranks), under a dispatch mode or not.
     from torch.utils._python_dispatch import TorchDispatchMode
 
