@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._dtensor import check_placements, is_dtensor, map_local, wrap_local_state
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
@@ -62,10 +63,10 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     and for every later write; a mode the format does not implement raises
     ``ValueError``.
     """
-    from .distributed import is_dtensor, quantize_dtensor
-
     if is_dtensor(x):
-        return quantize_dtensor(x, fmt, signed=signed, block_size=block_size, rounding=rounding)
+        check_placements(x, "quantize")
+        return wrap_local_state(map_local(x.to_local(), lambda t: quantize(
+            t, fmt, signed=signed, block_size=block_size, rounding=rounding)), x)
     if isinstance(x, QuantizedState):
         raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
     _check_appearance(x.dtype, "quantize")
@@ -94,10 +95,10 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
     ``p`` may be a DTensor: the result is a DTensor with the same mesh and placements.
     ``rounding``: the state's rounding mode, as in :func:`quantize`.
     """
-    from .distributed import is_dtensor, zeros_like_dtensor
-
     if is_dtensor(p):
-        return zeros_like_dtensor(p, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding)
+        check_placements(p, "zeros_like")
+        return wrap_local_state(map_local(p.to_local(), lambda t: zeros_like(
+            t, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding)), p)
     dtype = dtype or p.dtype
     _check_appearance(dtype, "zeros_like")
     f, bs = _resolve(fmt, block_size, signed, rounding)

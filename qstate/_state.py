@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._op_table import dispatch
 from .formats import ROUNDINGS, BlockFormat, get_format
 
 __all__ = ["QuantizedState", "APPEARANCE_DTYPES", "quantized_kind"]
@@ -206,15 +207,7 @@ class QuantizedState(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _ops_dispatch()(func, types, args, kwargs or {})
-
-
-@functools.cache
-def _ops_dispatch():
-    """:func:`qstate.ops.dispatch` (imported on first use: ``qstate.ops`` imports this module)."""
-    from .ops import dispatch
-
-    return dispatch
+        return dispatch(func, types, args, kwargs or {})
 
 
 def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:

@@ -48,7 +48,7 @@ already has a fix, :func:`install` leaves torch's rule for it in place and
 
 from __future__ import annotations
 
-from qstate.dtensor_rules import _fused_ops, _partial_ops, _random_ops, _rounding_ops, _shift_ops, _view_ops
+from qstate.dtensor_rules._catalog import QSTATE_OP_RULES, RULES
 from qstate.dtensor_rules._fused_ops import LayoutMismatch, flat_starts
 from qstate.dtensor_rules._comm import (
     forbid_implicit_communication,
@@ -83,14 +83,6 @@ __all__ = [
     "register_qstate_ops",
     "uninstall",
 ]
-
-#: The rules of qstate's own operators, registered by ``import qstate``.
-QSTATE_OP_RULES: tuple[Rule, ...] = (_random_ops.QSTATE_OP_RULES + _rounding_ops.QSTATE_OP_RULES
-                                     + _fused_ops.QSTATE_OP_RULES)
-
-#: Replacements of torch's rules for aten ops (the upstream patch series), in the order
-#: :func:`install` applies them.
-RULES: tuple[Rule, ...] = _view_ops.RULES + _random_ops.RULES + _partial_ops.RULES + _shift_ops.RULES
 
 _QSTATE_OPS = Registry(QSTATE_OP_RULES)
 _REGISTRY = Registry(RULES)

@@ -17,6 +17,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
+from qstate.dtensor_rules._catalog import RULES
 
 __all__ = ["ImplicitCommunicationError", "forbid_implicit_communication"]
 
@@ -26,8 +27,6 @@ class ImplicitCommunicationError(RuntimeError):
 
 
 def _rule_reason(message: str) -> str:
-    from qstate.dtensor_rules import RULES
-
     for rule in RULES:
         if re.search(rf"\b{re.escape(str(rule.op))}(\(|\s|$)", message):
             return f"\nqstate rule for {rule.op}: {rule.reason}"

@@ -34,7 +34,7 @@ from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Shard
 
 from qstate._library import fused_update, states_per_param
-from qstate.distributed import _dtensor_type
+from qstate._dtensor import dtensor_type
 from qstate.dtensor_rules._placements import local_range, mesh_coordinates, mesh_dims_sharding
 from qstate.dtensor_rules._registry import Rule
 
@@ -85,7 +85,7 @@ def layout_mismatch(param, grad, states) -> Optional[Exception]:
     It takes it when ``param``, ``grad`` and every state are DTensors of one shape, mesh and
     placements, none of them ``Partial``.
     """
-    DTensor = _dtensor_type()
+    DTensor = dtensor_type()
     tensors = (param, grad, *states)
     names = _names(len(states))
     for name, t in zip(names, tensors):

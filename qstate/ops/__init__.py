@@ -3,7 +3,7 @@
 Importing this package fills :data:`DISPATCH_TABLE`; ``registered_ops()`` lists it.
 """
 
-from ._registry import DISPATCH_TABLE, dispatch, register, registered_ops
+from .._op_table import DISPATCH_TABLE, dispatch, register, registered_ops
 from . import collectives, copy, layout, math  # noqa: F401  (registers handlers)
 
 __all__ = ["DISPATCH_TABLE", "dispatch", "register", "registered_ops"]

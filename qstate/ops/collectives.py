@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._state import QuantizedState
-from ._registry import register
+from .._op_table import register
 from ._util import check_same_kind
 
 import torch.distributed._functional_collectives  # noqa: F401  (defines _wrap_tensor_autograd)

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from .._library import LIBRARY, copy_with_draws_
 from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
-from ._registry import register
+from .._op_table import register
 from ._util import aten, check_same_kind
 
 

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._api import zero_parts
 from .._state import QuantizedState
-from ._registry import register
+from .._op_table import register
 from ._util import aten, check_same_kind, norm_dim
 
 

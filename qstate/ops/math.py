@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._state import QuantizedState
-from ._registry import register
+from .._op_table import register
 from ._util import aten, dequantize_args
 from .copy import copy_into_state
 

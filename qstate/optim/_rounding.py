@@ -36,13 +36,13 @@ from torch import Tensor
 
 from .._library import LIBRARY, flat_index_like
 from .._library import stochastic_round_bf16 as stochastic_round_bf16_op
-from ..distributed import _dtensor_type
+from .._dtensor import dtensor_type
 from .._splitmix64 import as_int64
 from ..formats import position_hash32
 
 __all__ = ["flat_index", "key_draws", "position_draws", "stochastic_round_bf16", "store_param"]
 
-_DTensor = _dtensor_type()  # None in a torch built without distributed
+_DTensor = dtensor_type()  # None in a torch built without distributed
 
 
 def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
