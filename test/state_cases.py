@@ -48,19 +48,38 @@ def scale_per_element(q: qstate.QuantizedState) -> torch.Tensor:
     return per_row.reshape(-1)[: q.numel()].view(q.shape)
 
 
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(key: int, i: int) -> int:
+    """Output ``i`` (from 0) of the splitmix64 stream seeded with ``key`` (Steele, Lea and Flood, 2014),
+    written out: the reference for qstate's counter-based streams (the DTensor rules' positional stream,
+    the parameters' stochastic-rounding keys)."""
+    z = (key + (i + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def param_keys(count: int) -> list[int]:
+    """The stochastic-rounding keys of the parameters at positions ``0 .. count - 1`` of one call of the
+    update, drawn as the update draws them from the default CPU generator: one 63-bit ``base`` (one
+    ``random_()`` of an int64 scalar), then ``splitmix64(base + position, 0)`` per parameter. Call it
+    where the update would draw (after the same ``torch.manual_seed``)."""
+    base = int(torch.empty((), dtype=torch.int64).random_())
+    return [splitmix64(base + position, 0) for position in range(count)]
+
+
 def written_by_update(values: torch.Tensor, fmt: str, *, seed: int, position: int = 0, rounding: str = "nearest",
                       block_size=None, signed: bool = True) -> "qstate.QuantizedState":
     """A fresh state holding ``values`` as an update of the functional optimizers writes the first state
     of the parameter at ``position`` in its call, after ``torch.manual_seed(seed)``: stochastic rounding
-    draws by position (``qstate/formats/_rounding.py``) under the key ``splitmix64(base + position +
-    GAMMA)`` of one 63-bit ``base`` drawn from the default CPU generator, hashed with each element's flat
-    index."""
-    from qstate import _splitmix64 as splitmix64
+    draws by position (``qstate/formats/_rounding.py``) under the parameter's key (:func:`param_keys`),
+    hashed with each element's flat index."""
     from qstate.formats import position_hash32, state_key
 
     torch.manual_seed(seed)
-    base = int(torch.empty((), dtype=torch.int64).random_())
-    key = state_key(splitmix64.mix(base + position + splitmix64.GAMMA), 0)
+    key = state_key(param_keys(position + 1)[position], 0)
     out = qstate.zeros_like(values, fmt, signed=signed, block_size=block_size, rounding=rounding,
                             dtype=torch.float32)
     draws = position_hash32(key, torch.arange(values.numel()).view(values.shape))
