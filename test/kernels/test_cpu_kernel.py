@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import KernelSpec, StateKind, _cpu_kernel, _prepared, cpu_kernel_enabled
+from qstate.optim import KernelSpec, StateKind, _cpu_kernel, cpu_kernel_enabled
 from qstate.optim import functional as F
+from state_cases import param_keys
 
 #: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D, and rows of several segments
 #: (_cpu_kernel._MIN_ENC8_UNIT) ending in a partial one
@@ -67,8 +68,8 @@ def _adam_amsgrad(ps, gs, states, step):
 SR = "stochastic"
 #: plain states (``torch.zeros_like`` in this dtype) instead of a quantized format
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: shapes of the plain-state cases: above ``_step.SMALL_PLAIN_NUMEL``, so that with the C kernel
-#: off the inductor kernel runs them (smaller plain states would run the eager math)
+#: shapes of the plain-state cases: 65536 elements or more, so that with the C kernel off the inductor
+#: kernel runs them (smaller plain states would run the eager math)
 PLAIN_SHAPES = [(300, 301), (70_001,), (3, 130, 171)]
 
 #: name -> (update, param dtype, per state (format, signed, block size[, rounding])); mixed block sizes,
@@ -112,7 +113,7 @@ def _run(case: str, c_kernel: bool, steps: int = 3, extreme: bool = False):
             if extreme:  # and each run of 64 elements scaled by 2**[-149, 30]: subnormal to large scales
                 gs = [(g.float().flatten() * 2.0 ** torch.randint(-149, 31, (g.numel() // 64 + 1,), generator=gen)
                        .repeat_interleave(64)[:g.numel()].float()).reshape(g.shape).to(dtype) for g in gs]
-            torch.manual_seed(step)  # the stochastic-rounding keys' draws (ParamKeys)
+            torch.manual_seed(step)  # the stochastic-rounding keys' draws (state_cases.param_keys)
             update(ps, gs, states, step)
     return ps, states
 
@@ -363,9 +364,11 @@ def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])
 def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
     # bfloat16 parameters with stochastic rounding take the C kernel, which rounds with its own draws: one key
-    # per parameter and update (ParamKeys: one base from torch's generator, mixed with the parameter's
-    # position), hashed with each element's flat index. Each parameter equals that rule applied in torch ops to the float32 result of the same update of
-    # float32 copies, both when the parameters run one by one (first step) and as one prepared call (second)
+    # per parameter and update (state_cases.param_keys: one base from torch's generator, mixed with the
+    # parameter's position), hashed with each element's flat index. Each parameter equals that rule applied in
+    # torch ops to the float32 result of the same update of float32 copies, both when the parameters run one by
+    # one (first step) and as one prepared call (second; that such calls give the full path's bits is
+    # test_prepared_calls.py's test_parameters_of_a_kind_run_in_one_call_with_the_same_results)
     shapes = PLAIN_SHAPES if fmt == "fp32" else SHAPES
     gen = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
@@ -379,14 +382,11 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
         ref_ps = [p.float() for p in ps]
         ref_states = [[s.clone() for s in group] for group in states]
         _adamw_8bit(ref_ps, [g.float() for g in gs], ref_states, step)  # float32: nothing to round
-        calls = _prepared.prepared_calls()
         torch.manual_seed(step)
         F.adamw(ps, gs, *states, [step] * len(ps), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                 compile=True, grad_scale=torch.tensor(4.0), stochastic_round=True)
-        assert _prepared.prepared_calls() == calls + (len(ps) if step == 1 else 0)
         torch.manual_seed(step)
-        keys = _cpu_kernel.ParamKeys()
-        keys = [keys(i) for i in range(len(ps))]
+        keys = param_keys(len(ps))
         for p, ref, key in zip(ps, ref_ps, keys):
             assert torch.equal(p, _kernel_stochastic_round(ref, key))
         for group, ref_group in zip(states, ref_states):
@@ -721,12 +721,15 @@ def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Te
     bs = 64 if fmt == "4bit" else 100
     states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
               qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
-    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
+    from qstate.optim import fused_kind
+
+    spec = KernelSpec.of("adam", _ADAMW_FLAGS, p, states, False)
     assert _cpu_kernel.supports(spec, p.device, g.dtype) and spec.keyed and not spec.param_sr
     # lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound
-    hyper = [1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0]
+    hyper = torch.tensor([1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0])
     with cpu_kernel_enabled(True):
-        _cpu_kernel.run(spec, p, g, states, hyper, key, start)
+        torch.ops.qstate.fused_update([p], [g], states, hyper, fused_kind("adam", _ADAMW_FLAGS, False),
+                                      sr_keys=[key - 2**64 if key >= 2**63 else key], starts=[torch.tensor([start])])
     codes = states[0].codes
     if fmt == "4bit":
         codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)[:, :g.shape[1]]
@@ -876,25 +879,23 @@ def test_stochastic_rounding_draws_by_place_in_the_full_tensor(fmt):
 def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op():
     # a non-contiguous shard runs the rule's math op by op; with sr_keys and starts its draws still follow
     # each element's place in the full tensor: row ranges of a transposed tensor, each with its start, are
-    # updated as the whole tensor is by the eager math with the same key (update_eagerly, key_draws)
-    from qstate.optim._update import update_eagerly  # the eager math with a given key: the reference
-    from qstate.optim.adam import ADAM
-
+    # updated as the whole (transposed, so also op by op) tensor is with the same key and start 0
     gen = torch.Generator().manual_seed(0)
     p0, g = torch.randn(10, 300, generator=gen).bfloat16(), torch.randn(10, 300, generator=gen).bfloat16()
     key = 0x9E3779B97F4A7C15 - 2**64
-    whole, st = p0.clone(), [torch.zeros(10, 300) for _ in range(2)]
-    group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    h = {"lr": 1e-2, "grad_unscale": 1.0, **ADAM.scalars(group, 1)}
-    h = {n: torch.tensor(h[n], dtype=torch.float32).item() for n in ADAM.scalar_names}  # hyper's float32
-    update_eagerly(ADAM, dict(_ADAMW_FLAGS), whole, g, st, h, True, key % 2**64)
+    whole, st = p0.t().contiguous().t(), [torch.zeros(10, 300) for _ in range(2)]
+    _sr_adamw_op([whole], [g], [st], [key])
     parts = [p0[:4].t().contiguous().t(), p0[4:].t().contiguous().t()]  # not contiguous: no fused kernel
-    assert not any(q.is_contiguous() for q in parts)
+    assert not any(q.is_contiguous() for q in parts + [whole])
     states = [[torch.zeros(q.shape) for _ in range(2)] for q in parts]
     _sr_adamw_op(parts, [g[:4], g[4:]], states, [key, key], [0, 4 * 300])
     assert torch.equal(torch.cat(parts), whole)
     assert all(torch.equal(torch.cat([a[i], b[i]]), st[i]) for a, b in [states] for i in range(2))
     assert not torch.equal(whole, p0)
+    # the places matter: the second range with start 0 draws other bits
+    unplaced, unplaced_states = p0[4:].t().contiguous().t(), [torch.zeros(6, 300) for _ in range(2)]
+    _sr_adamw_op([unplaced], [g[4:]], [unplaced_states], [key], [0])
+    assert not torch.equal(unplaced, whole[4:])
 
 
 class TestSrKeysErrors(expecttest.TestCase):

@@ -178,24 +178,27 @@ def test_two_optimizers_over_one_parameter_keep_their_own_calls(reused):
     _assert_same_states(second, ps, ref_second, ref_ps)
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
-def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, reused):
+@pytest.mark.parametrize("fmt, dtype", [("8bit", torch.float32), ("4bit", torch.float32), ("fp8", torch.float32),
+                                        ("fp32", torch.float32), ("8bit", torch.bfloat16), ("fp32", torch.bfloat16)])
+def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, dtype, reused):
     # several shapes (ragged rows, an odd 4-bit row, 3-D, 1-D plain) in one step: the C kernel's call over
-    # all of a kind's parameters gives each parameter what its own call on the full path gives
+    # all of a kind's parameters gives each parameter what its own call on the full path gives (bf16
+    # parameters: rounded stochastically, each with its own key)
     shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (640,), (2, 2100)]
 
     def model():
         torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
 
     runs = []
     for reuse in (True, False):
         ps = model()
-        opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512)
+        opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512,
+                    bf16_stochastic_round=dtype == torch.bfloat16, seed=3)
         for step in range(3):
             gen = torch.Generator().manual_seed(step)
             for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen)
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
             opt.step() if reuse else _full_path_step(opt)
         runs.append((ps, opt))
         if reuse:  # at least one kind ran several parameters in one call
