@@ -154,9 +154,9 @@ def _parts(s, r) -> tuple:
 
 
 def test_small_plain_states_run_the_c_kernel_with_its_results():
-    # below SMALL_PLAIN_NUMEL a plain kind the C kernel takes runs it (not the eager math): the
-    # update is elementwise, so a 1024-element parameter gets the first 1024 elements of the
-    # inductor kernel's update of a large parameter holding the same values
+    # below 65536 elements (where plain kinds it does not take run the eager math) a plain kind the C kernel
+    # takes runs it: the update is elementwise, so a 1024-element parameter gets the first 1024 elements of
+    # the inductor kernel's update of a large parameter holding the same values
     gen = torch.Generator().manual_seed(1)
     big = torch.randn(70_000, generator=gen)
     grads = [torch.randn(70_000, generator=gen) for _ in range(3)]
