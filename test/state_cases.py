@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import qstate
 from qstate.formats import FORMATS
+from rounding_keys import param_keys
 
 #: every (format, signed, appearance dtype) the contract suite covers
 KINDS = list(itertools.product(sorted(FORMATS), (True, False), (torch.float32, torch.bfloat16)))
@@ -46,28 +47,6 @@ def scale_per_element(q: qstate.QuantizedState) -> torch.Tensor:
     """Each element's block scale, in q's logical shape."""
     per_row = q.scale.repeat_interleave(q.block_size, dim=1)[:, : q.row_len]
     return per_row.reshape(-1)[: q.numel()].view(q.shape)
-
-
-MASK64 = (1 << 64) - 1
-
-
-def splitmix64(key: int, i: int) -> int:
-    """Output ``i`` (from 0) of the splitmix64 stream seeded with ``key`` (Steele, Lea and Flood, 2014),
-    written out: the reference for qstate's counter-based streams (the DTensor rules' positional stream,
-    the parameters' stochastic-rounding keys)."""
-    z = (key + (i + 1) * 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return z ^ (z >> 31)
-
-
-def param_keys(count: int) -> list[int]:
-    """The stochastic-rounding keys of the parameters at positions ``0 .. count - 1`` of one call of the
-    update, drawn as the update draws them from the default CPU generator: one 63-bit ``base`` (one
-    ``random_()`` of an int64 scalar), then ``splitmix64(base + position, 0)`` per parameter. Call it
-    where the update would draw (after the same ``torch.manual_seed``)."""
-    base = int(torch.empty((), dtype=torch.int64).random_())
-    return [splitmix64(base + position, 0) for position in range(count)]
 
 
 def written_by_update(values: torch.Tensor, fmt: str, *, seed: int, position: int = 0, rounding: str = "nearest",

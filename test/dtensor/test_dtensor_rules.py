@@ -42,7 +42,7 @@ from dtensor_harness import (
     run_case,
     shapes,
 )
-from state_cases import splitmix64
+from rounding_keys import splitmix64
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -454,7 +454,7 @@ def test_positional_stream_is_splitmix64_and_in_range() -> None:
         got = rules.positional_randint_like(torch.empty(257, dtype=torch.int64), -(2**63), 2**63,
                                             generator=torch.Generator().manual_seed(seed)).tolist()
         assert [(v + 2**63) & mask for v in got] == [splitmix64(key, i) for i in range(257)]
-    # the same reference gives the parameters' stochastic-rounding keys (state_cases.param_keys), which
+    # the same reference gives the parameters' stochastic-rounding keys (rounding_keys.param_keys), which
     # test_cpu_kernel.py's rounding checks compare the C kernel's draws with
 
     g = torch.Generator().manual_seed(0)

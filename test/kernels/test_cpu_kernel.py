@@ -14,7 +14,7 @@ import torch
 import qstate
 from qstate.optim import KernelSpec, StateKind, _cpu_kernel, cpu_kernel_enabled
 from qstate.optim import functional as F
-from state_cases import param_keys
+from rounding_keys import param_keys
 
 #: aligned, ragged, odd (4-bit nibble) and one-element rows, 1-D and 3-D, and rows of several segments
 #: (_cpu_kernel._MIN_ENC8_UNIT) ending in a partial one
@@ -113,7 +113,7 @@ def _run(case: str, c_kernel: bool, steps: int = 3, extreme: bool = False):
             if extreme:  # and each run of 64 elements scaled by 2**[-149, 30]: subnormal to large scales
                 gs = [(g.float().flatten() * 2.0 ** torch.randint(-149, 31, (g.numel() // 64 + 1,), generator=gen)
                        .repeat_interleave(64)[:g.numel()].float()).reshape(g.shape).to(dtype) for g in gs]
-            torch.manual_seed(step)  # the stochastic-rounding keys' draws (state_cases.param_keys)
+            torch.manual_seed(step)  # the stochastic-rounding keys' draws (rounding_keys.param_keys)
             update(ps, gs, states, step)
     return ps, states
 
@@ -364,7 +364,7 @@ def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["8bit", "fp32"])
 def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
     # bfloat16 parameters with stochastic rounding take the C kernel, which rounds with its own draws: one key
-    # per parameter and update (state_cases.param_keys: one base from torch's generator, mixed with the
+    # per parameter and update (rounding_keys.param_keys: one base from torch's generator, mixed with the
     # parameter's position), hashed with each element's flat index. Each parameter equals that rule applied in
     # torch ops to the float32 result of the same update of float32 copies, both when the parameters run one by
     # one (first step) and as one prepared call (second; that such calls give the full path's bits is
