@@ -13,6 +13,7 @@ full path, and loading CPU-saved states onto CUDA.
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import sys
@@ -142,10 +143,9 @@ def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
 def check_prepared_calls_equal_the_full_path_on_cuda() -> None:
     # later steps reuse each parameter's prepared inductor call (argument views, padded copies refreshed
     # for rows that are not whole blocks, a new stochastic-rounding place each step; without stochastic
-    # rounding, the calls run as one batch over concatenated copies): the same bits as steps that forget
-    # every prepared call and rebuild the arguments
-    from qstate.optim import _prepared
-
+    # rounding, the calls run as one batch over concatenated copies): the same bits as steps on the full
+    # path, which rebuild every argument (the optimizer loads its own state dict back before each step:
+    # new state objects, for which no prepared call is found)
     for fmt, dtype in (("8bit", torch.bfloat16), ("8bit", torch.float32), ("4bit", torch.float32)):
         runs = []
         for reuse in (True, False):
@@ -158,7 +158,7 @@ def check_prepared_calls_equal_the_full_path_on_cuda() -> None:
                     gen = torch.Generator("cuda").manual_seed(step)
                     p.grad = torch.randn(p.shape, device="cuda", generator=gen).to(dtype)
                 if not reuse:
-                    _prepared.clear_prepared_calls()
+                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
                 opt.step()
             runs.append([p.detach() for p in ps] + [t for p in ps for n in ("exp_avg", "exp_avg_sq")
                                                     for t in (opt.state[p][n].codes, opt.state[p][n].scale)])

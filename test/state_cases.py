@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import qstate
 from qstate.formats import FORMATS
+from rounding_keys import param_keys
 
 #: every (format, signed, appearance dtype) the contract suite covers
 KINDS = list(itertools.product(sorted(FORMATS), (True, False), (torch.float32, torch.bfloat16)))
@@ -52,15 +53,12 @@ def written_by_update(values: torch.Tensor, fmt: str, *, seed: int, position: in
                       block_size=None, signed: bool = True) -> "qstate.QuantizedState":
     """A fresh state holding ``values`` as an update of the functional optimizers writes the first state
     of the parameter at ``position`` in its call, after ``torch.manual_seed(seed)``: stochastic rounding
-    draws by position (``qstate/formats/_rounding.py``) under the key ``splitmix64(base + position +
-    GAMMA)`` of one 63-bit ``base`` drawn from the default CPU generator, hashed with each element's flat
-    index."""
-    from qstate import _splitmix64 as splitmix64
+    draws by position (``qstate/formats/_rounding.py``) under the parameter's key (:func:`param_keys`),
+    hashed with each element's flat index."""
     from qstate.formats import position_hash32, state_key
 
     torch.manual_seed(seed)
-    base = int(torch.empty((), dtype=torch.int64).random_())
-    key = state_key(splitmix64.mix(base + position + splitmix64.GAMMA), 0)
+    key = state_key(param_keys(position + 1)[position], 0)
     out = qstate.zeros_like(values, fmt, signed=signed, block_size=block_size, rounding=rounding,
                             dtype=torch.float32)
     draws = position_hash32(key, torch.arange(values.numel()).view(values.shape))

@@ -60,6 +60,7 @@ import hashlib
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -339,10 +340,22 @@ _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-e
            "-shared", "-std=c11")
 
 
+def _cflags() -> tuple[str, ...]:
+    """The flags a kernel is built with: :data:`_CFLAGS`, then those of ``$QSTATE_CPU_KERNEL_CFLAGS`` (split
+    as a shell splits them).
+
+    The variable is read when a kind is built, that is at its first use in a process (a process keeps
+    the kernels it loaded); its flags are part of the build cache's key, so builds with other flags
+    never share a cached library. E.g. ``-mno-avx512f`` builds without the AVX-512 paths, ``-march=x86-64``
+    (after ``-march=native``) the portable loops only; every build gives the same results bit for bit."""
+    return _CFLAGS + tuple(shlex.split(os.environ.get("QSTATE_CPU_KERNEL_CFLAGS", "")))
+
+
 def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     cc = _compiler()
+    cflags = _cflags()
     source = _config(spec, grad_dtype) + _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, cc, *_CFLAGS, _machine()]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([source, cc, *cflags, _machine()]).encode()).hexdigest()[:24]
     out_dir = _cache_dir()
     lib = out_dir / f"qstate_update_{_tag(spec, grad_dtype)}_{key}.so"
     if not lib.exists():
@@ -351,7 +364,7 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
             src = Path(tmp) / "kernel.c"
             src.write_text(source)
             tmp_lib = Path(tmp) / "kernel.so"
-            proc = subprocess.run([cc, *_CFLAGS, str(src), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *cflags, str(src), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"qstate: compiling the CPU update kernel {_tag(spec, grad_dtype)} with {cc} failed:\n"
                                    f"{proc.stderr.strip()}")

@@ -42,8 +42,8 @@ from dtensor_harness import (
     run_case,
     shapes,
 )
-from qstate.dtensor_rules import _compat
-from qstate import _splitmix64
+from rounding_keys import splitmix64
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -447,13 +447,6 @@ def test_random_shards_independent_replicas_agree_and_seeded() -> None:
 
 def test_positional_stream_is_splitmix64_and_in_range() -> None:
     mask = (1 << 64) - 1
-
-    def splitmix64(key: int, i: int) -> int:  # written out: the reference for qstate._splitmix64 too
-        z = (key + (i + 1) * 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return z ^ (z >> 31)
-
     # the raw stream: randint over the whole int64 range adds its low end to each output (mod 2**64), under
     # the key that one random_() of an int64 scalar draws from the generator
     for seed in (0, 1, 2):
@@ -461,10 +454,8 @@ def test_positional_stream_is_splitmix64_and_in_range() -> None:
         got = rules.positional_randint_like(torch.empty(257, dtype=torch.int64), -(2**63), 2**63,
                                             generator=torch.Generator().manual_seed(seed)).tolist()
         assert [(v + 2**63) & mask for v in got] == [splitmix64(key, i) for i in range(257)]
-    # the Python-int form (the C kernel's ParamKeys), keys of all sizes
-    for k in (0, key, mask, 1 << 63):
-        assert [_splitmix64.mix(k + (i + 1) * _splitmix64.GAMMA) for i in range(65)] == [splitmix64(k, i)
-                                                                                        for i in range(65)]
+    # the same reference gives the parameters' stochastic-rounding keys (rounding_keys.param_keys), which
+    # test_cpu_kernel.py's rounding checks compare the C kernel's draws with
 
     g = torch.Generator().manual_seed(0)
     u = rules.positional_rand_like(torch.empty(20000), generator=g)
@@ -761,27 +752,36 @@ def test_harness_flags_torch_rules(torch_rules: None) -> None:
 
 
 # ================================================================ registry
+def _dispatcher() -> Any:
+    """The ``OpDispatcher`` DTensor dispatches through (torch's; the tables the rules write)."""
+    return DTensor._op_dispatcher
+
+
+def _propagator() -> Any:
+    """The ``ShardingPropagator`` that owns DTensor's strategy tables."""
+    return _dispatcher().sharding_propagator
+
+
+def _clear_sharding_caches() -> None:
+    """Drop torch's cached sharding decisions after a test edits DTensor's tables by hand."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+
+
 _TABLES = {
-    "op_strategy_funcs": _compat.propagator,
-    "op_single_dim_strategy_funcs": _compat.propagator,
-    "op_to_schema_info": _compat.propagator,
-    "op_to_schema_info_for_single_dim_strategy": _compat.propagator,
-    "op_to_rules": _compat.propagator,
-    "_custom_op_handlers": _compat.dispatcher,
+    "op_strategy_funcs": _propagator,
+    "op_single_dim_strategy_funcs": _propagator,
+    "op_to_schema_info": _propagator,
+    "op_to_schema_info_for_single_dim_strategy": _propagator,
+    "op_to_rules": _propagator,
+    "_custom_op_handlers": _dispatcher,
 }
 
 
 class TestInstalledOverrides(expecttest.TestCase):
-    def test_qstate_ops_registered_at_import(self) -> None:
-        # what import qstate writes into DTensor's tables: qstate's own ops only
-        lines = [f"{o.op} {o.table} {o.action}" for o in rules._QSTATE_OPS.installed()]
-        self.assertExpectedInline("\n".join(lines), """\
-qstate.flat_index_like.default _custom_op_handlers added
-qstate.stochastic_round_bf16.default op_strategy_funcs added
-qstate.copy_with_draws_.default op_strategy_funcs added
-qstate.fused_update.default op_strategy_funcs added
-qstate.fused_update.default op_to_schema_info added""")
-
     def test_installed_lists_every_override(self) -> None:
         # what install() changes in DTensor's tables: one line per table entry, in the order of RULES,
         # each with a reason (checked in test_install_uninstall_restore_tables_exactly)
@@ -855,7 +855,7 @@ def test_install_uninstall_restore_tables_exactly(torch_rules: None) -> None:
     rules.install()  # idempotent
     assert _same_tables(once, _snapshot())
     assert not _same_tables(original, once)
-    prop = _compat.propagator()
+    prop = _propagator()
     # precedence: an op strategy only wins once the single-dim entry is gone
     assert aten.copy_.default not in prop.op_single_dim_strategy_funcs
     assert aten.copy_.default in prop.op_strategy_funcs
@@ -880,7 +880,7 @@ def test_install_uninstall_restore_tables_exactly(torch_rules: None) -> None:
 
 def test_version_gate_adds_view_dtype_rule_when_torch_has_none(torch_rules: None) -> None:
     """torch <= 2.6 had no view.dtype strategy: the rule is then added, and removed again."""
-    prop = _compat.propagator()
+    prop = _propagator()
     # torch's own entry, wherever this torch keeps it (2.14: the single-dim table)
     tables = (prop.op_strategy_funcs, prop.op_single_dim_strategy_funcs)
     saved = [(table, table.pop(aten.view.dtype)) for table in tables if aten.view.dtype in table]
@@ -895,7 +895,7 @@ def test_version_gate_adds_view_dtype_rule_when_torch_has_none(torch_rules: None
         rules.uninstall()
         for table, entry in saved:
             table[aten.view.dtype] = entry
-        _compat.clear_sharding_caches()
+        _clear_sharding_caches()
 
 
 def test_toggling_clears_the_sharding_caches() -> None:
@@ -921,7 +921,7 @@ def test_toggling_clears_the_sharding_caches() -> None:
 
 def test_uninstall_leaves_foreign_entries_alone(torch_rules: None) -> None:
     rules.install()
-    handlers = _compat.dispatcher()._custom_op_handlers
+    handlers = _dispatcher()._custom_op_handlers
 
     def foreign(*args: Any) -> None:
         return None
@@ -942,7 +942,7 @@ def _rule(op: Any, kind: str) -> rules.Rule:
 def test_install_leaves_torch_rules_that_have_the_fix(torch_rules: None) -> None:
     """On a torch whose own ``fill_`` and ``view.dtype`` rules already give the fixed result,
     ``install()`` writes nothing for those ops and lists them in ``not_needed()``."""
-    prop = _compat.propagator()
+    prop = _propagator()
     fixed = {op: _rule(op, "strategy") for op in (aten.fill_.Scalar, aten.view.dtype)}
     tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_schema_info",
               "op_to_schema_info_for_single_dim_strategy")
@@ -953,7 +953,7 @@ def test_install_leaves_torch_rules_that_have_the_fix(torch_rules: None) -> None
             prop.op_strategy_funcs[op] = rule.impl
             if rule.schema_info is not None:
                 prop.op_to_schema_info[op] = rule.schema_info
-        _compat.clear_sharding_caches()
+        _clear_sharding_caches()
         rules.install()
         written = {o.op for o in rules.installed()}
         assert not {str(op) for op in fixed} & written
@@ -970,7 +970,7 @@ def test_install_leaves_torch_rules_that_have_the_fix(torch_rules: None) -> None
             table.pop(op, None)
             if entry is not None:
                 table[op] = entry
-        _compat.clear_sharding_caches()
+        _clear_sharding_caches()
 
 
 def test_checks_recognize_the_installed_fixes() -> None:
@@ -1026,9 +1026,13 @@ def test_import_changes_no_torch_op_rule() -> None:
 """ + _TABLES_AFTER + """
     foreign = {n: [k for k in changed(n) if not k.startswith("qstate.")] for n in tables}
     assert not any(foreign.values()), foreign
-    assert changed("_custom_op_handlers") == ["qstate.flat_index_like.default"]
-    assert changed("op_strategy_funcs") == ["qstate.copy_with_draws_.default", "qstate.fused_update.default",
-                                            "qstate.stochastic_round_bf16.default"]
+    # every entry new (qstate's ops exist only once qstate is imported), one table each
+    assert {n: changed(n) for n in tables if changed(n)} == {
+        "_custom_op_handlers": ["qstate.flat_index_like.default"],
+        "op_strategy_funcs": ["qstate.copy_with_draws_.default", "qstate.fused_update.default",
+                              "qstate.stochastic_round_bf16.default"],
+        "op_to_schema_info": ["qstate.fused_update.default"],
+    }, {n: changed(n) for n in tables}
     print("ok")
 """,
         _ROOT,

@@ -1,12 +1,18 @@
-"""Prepared calls (``qstate/optim/_prepared.py``): of the C kernel (``_cpu_kernel.PreparedCall``) and of the
-compiled inductor kernel (``_kernels.PreparedKernelCall``). A later step reuses its
-parameter's call only while everything the call relies on is unchanged, and gives exactly what the
-full path gives (the reference: the same optimizer on equal parameters, its steps run with no
-prepared call found)."""
+"""Prepared calls: a later step reuses its parameter's fused call (of the C kernel or of the compiled
+inductor kernel) only while everything the call relies on is unchanged, and gives exactly what the full
+path gives.
+
+The reference is public: the same optimizer on equal parameters whose every step takes the full path,
+because before each step it loads its own state dict back (new state objects of equal values, as after
+loading a checkpoint: no prepared call is found for them).
+
+Whether a step reused its calls at all (or batched them) is not observable through the public API: the
+tests that check it, and the registry's lifetime and batching rules, are the last section's and reach
+the private modules ``qstate.optim._prepared`` and ``_kernels``.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 
@@ -15,7 +21,8 @@ import torch
 
 import qstate
 
-from qstate.optim import AdamW, _cpu_kernel, _kernels, _prepared, cpu_kernel_enabled
+from qstate.optim import AdamW, cpu_kernel_enabled
+from qstate.optim import _kernels, _prepared  # private: the last section's, and :func:`reused`
 
 
 def _model() -> list[torch.nn.Parameter]:
@@ -28,19 +35,27 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(8, 640, generator=gen), torch.randn(640, generator=gen)]
 
 
-@contextlib.contextmanager
-def _full_path():
-    """Within the block no prepared call is found: every fused update takes the full path."""
-    found = _prepared.prepared
-    _prepared.prepared = lambda *args: None
-    try:
-        yield
-    finally:
-        _prepared.prepared = found
+def _full_path_step(opt) -> None:
+    """``opt.step()`` on the full path: ``opt`` first loads its own state dict back (new state objects of
+    equal values), so no prepared call is found."""
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.step()
+
+
+def _assert_same_states(opt, ps, ref, ref_ps) -> None:
+    """Equal parameters, and each state's codes and scales (or plain values), bit for bit."""
+    for p, q in zip(ps, ref_ps):
+        assert torch.equal(p, q)
+        for name, s in opt.state[p].items():
+            r = ref.state[q][name]
+            if type(s) is qstate.QuantizedState:
+                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
+            else:
+                assert torch.equal(s, r), name
 
 
 class _Twin:
-    """Two optimizers over equal parameters; ``ref`` steps on the full path (:func:`_full_path`)."""
+    """Two optimizers over equal parameters; ``ref`` steps on the full path (:func:`_full_path_step`)."""
 
     def __init__(self, fmt: str = "8bit"):
         self.ps, self.ref_ps = _model(), _model()
@@ -53,59 +68,51 @@ class _Twin:
         for p, q, g in zip(self.ps, self.ref_ps, grads):
             p.grad, q.grad = g.clone(), g.clone()
         self.opt.step()
-        with _full_path():
-            self.ref.step()
+        _full_path_step(self.ref)
 
     def assert_equal(self) -> None:
-        for p, q in zip(self.ps, self.ref_ps):
-            assert torch.equal(p, q)
-            for name, s in self.opt.state[p].items():
-                r = self.ref.state[q][name]
-                if isinstance(s, torch.Tensor) and type(s) is not torch.Tensor:
-                    assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
-                else:
-                    assert torch.equal(s, r), name
+        _assert_same_states(self.opt, self.ps, self.ref, self.ref_ps)
 
 
 @pytest.fixture(params=["c", "inductor"])
 def kernel(request) -> str:
     """The fused kernel the test's updates run: the C kernel, or (the C kernel off) the compiled inductor
-    kernel, which runs the small plain-state bias op by op (``_step.SMALL_PLAIN_NUMEL``)."""
+    kernel, which runs the small plain-state bias op by op (plain states below 65536 elements)."""
     with cpu_kernel_enabled(request.param == "c"):
         yield request.param
 
 
 @pytest.fixture
-def full_path_calls(monkeypatch) -> list:
-    """The parameters each full-path fused call (``_cpu_kernel.run``, or a new ``PreparedKernelCall``)
-    updated, in order."""
-    calls: list = []
-    run = _cpu_kernel.run
+def reused(monkeypatch) -> list:
+    """Per run of queued prepared calls (one op call queues its valid calls, then runs them in groups,
+    one per kernel kind), the parameters of each group, in order (private: ``_prepared.PendingCalls``)."""
+    runs: list = []
+    run = _prepared.PendingCalls.run
 
-    def counting(spec, p, *args):
-        calls.append(p)
-        run(spec, p, *args)
+    def recording(self):
+        runs.append([list(ps) for *_, ps, _, _ in self.groups.values()])
+        run(self)
 
-    class Counting(_kernels.PreparedKernelCall):
-        __slots__ = ()
-
-        def __init__(self, spec, p, *args):
-            calls.append(p)
-            super().__init__(spec, p, *args)
-
-    monkeypatch.setattr(_cpu_kernel, "run", counting)
-    monkeypatch.setattr(_kernels, "PreparedKernelCall", Counting)
-    return calls
+    monkeypatch.setattr(_prepared.PendingCalls, "run", recording)
+    return runs
 
 
-def test_later_steps_reuse_the_call_and_give_the_full_paths_results(kernel, full_path_calls):
+def _among(ps, runs) -> list:
+    """The members of ``ps`` in ``runs`` (:func:`reused`), in order."""
+    return [p for run in runs for group in run for p in group if any(p is q for q in ps)]
+
+
+def test_later_steps_reuse_the_call_and_give_the_full_paths_results(kernel, reused):
     twin = _Twin()
     for step in range(3):
+        reused.clear()
         twin.step(step)
         twin.assert_equal()
-    # the first step of each parameter the kernel updates (the C kernel: both), then only the reference's
-    ours = [p for p in full_path_calls if any(p is q for q in twin.ps)]
-    assert len(ours) == (2 if kernel == "c" else 1)
+        # the first step takes the full path; then each parameter the kernel updates (the C kernel:
+        # both, the inductor kernel: the weight) reuses its call, the reference never does
+        ours = twin.ps if kernel == "c" else twin.ps[:1]
+        assert _among(twin.ps, reused) == ([] if step == 0 else ours)
+        assert _among(twin.ref_ps, reused) == []
 
 
 def _new_grad_dtype(twin):
@@ -121,7 +128,7 @@ def _strided_grad(twin):  # same shape, not contiguous: the eager math runs inst
 
 @pytest.mark.parametrize("change", ["grad dtype", "strided grad", "param storage", "state codes", "map version",
                                     "loaded state"])
-def test_a_change_takes_the_full_path(change, kernel, full_path_calls):
+def test_a_change_takes_the_full_path(change, kernel, reused):
     twin = _Twin()
     twin.step(0)
     grads = None
@@ -143,16 +150,15 @@ def test_a_change_takes_the_full_path(change, kernel, full_path_calls):
     elif change == "loaded state":
         twin.opt.load_state_dict(copy.deepcopy(twin.opt.state_dict()))  # new state objects
         twin.ref.load_state_dict(copy.deepcopy(twin.ref.state_dict()))
-    full_path_calls.clear()
+    reused.clear()
     twin.step(1, grads)
     twin.assert_equal()
     if change == "param storage":
         assert torch.equal(storage, old)  # the old storage is no longer the parameter's
-    if change != "strided grad":  # the eager math runs that update, never the kernel
-        assert any(p is weight for p in full_path_calls)
+    assert _among([weight], reused) == []  # the full path (or, for the strided gradient, the eager math)
 
 
-def test_two_optimizers_over_one_parameter_keep_their_own_calls():
+def test_two_optimizers_over_one_parameter_keep_their_own_calls(reused):
     ps = _model()
     first, second = (AdamW(ps, lr=1e-2, state_format=fmt, min_quantize_numel=4096) for fmt in ("8bit", "fp8"))
     ref_ps = _model()
@@ -162,12 +168,165 @@ def test_two_optimizers_over_one_parameter_keep_their_own_calls():
         for opt, ref in ((first, ref_first), (second, ref_second)):
             for p, q, g in zip(ps, ref_ps, _grads(step)):
                 p.grad, q.grad = g.clone(), g.clone()
+            reused.clear()
             opt.step()
-            with _full_path():
-                ref.step()
+            # after the first step each optimizer reuses its own calls: neither replaces the other's
+            assert _among(ps, reused) == ([] if step == 0 else ps)
+            _full_path_step(ref)
             assert all(torch.equal(p, q) for p, q in zip(ps, ref_ps))
-    # per parameter one call of each optimizer (the references' replace each other)
-    assert sum(1 for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)) == 2 * len(ps)
+    _assert_same_states(first, ps, ref_first, ref_ps)
+    _assert_same_states(second, ps, ref_second, ref_ps)
+
+
+@pytest.mark.parametrize("fmt, dtype", [("8bit", torch.float32), ("4bit", torch.float32), ("fp8", torch.float32),
+                                        ("fp32", torch.float32), ("8bit", torch.bfloat16), ("fp32", torch.bfloat16)])
+def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, dtype, reused):
+    # several shapes (ragged rows, an odd 4-bit row, 3-D, 1-D plain) in one step: the C kernel's call over
+    # all of a kind's parameters gives each parameter what its own call on the full path gives (bf16
+    # parameters: rounded stochastically, each with its own key)
+    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (640,), (2, 2100)]
+
+    def model():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+
+    runs = []
+    for reuse in (True, False):
+        ps = model()
+        opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512,
+                    bf16_stochastic_round=dtype == torch.bfloat16, seed=3)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step() if reuse else _full_path_step(opt)
+        runs.append((ps, opt))
+        if reuse:  # at least one kind ran several parameters in one call
+            assert max(len(group) for run in reused for group in run) > 1
+    (ps, opt), (ref_ps, ref) = runs
+    _assert_same_states(opt, ps, ref, ref_ps)
+
+
+def test_a_parameter_listed_twice_is_updated_twice_in_order():
+    from qstate.optim import functional as F
+
+    results = []
+    for twice in (True, False):
+        p = torch.randn(8, 640, generator=torch.Generator().manual_seed(9))
+        m = qstate.zeros_like(p, "8bit", signed=True, dtype=torch.float32)
+        v = qstate.zeros_like(p, "8bit", signed=False, dtype=torch.float32)
+        gs = [torch.randn(8, 640, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, compile=True)
+        F.adamw([p], [gs[0]], [m], [v], [1], **kw)  # prepares the call
+        if twice:
+            F.adamw([p, p], gs[1:], [m, m], [v, v], [2, 3], **kw)
+        else:
+            F.adamw([p], [gs[1]], [m], [v], [2], **kw)
+            F.adamw([p], [gs[2]], [m], [v], [3], **kw)
+        results.append((p, m.codes, v.codes))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_grouped_call_bumps_every_parameters_version(kernel):
+    # the kernel writes through raw pointers: autograd must still see each in-place update
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 1024)) for _ in range(3)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = AdamW(ps, lr=1e-3, state_format="8bit")
+    opt.step()  # the full path, which prepares the calls
+    before = [p._version for p in ps]
+    opt.step()  # one grouped call
+    assert [p._version for p in ps] == [v + 1 for v in before]
+
+
+@pytest.mark.parametrize("fmt, dtype", [("8bit", torch.bfloat16), ("4bit", torch.float32)])
+def test_inductor_calls_over_padded_and_odd_rows_give_the_full_paths_results(fmt, dtype, reused):
+    # the inductor kernel's prepared calls keep padded block-space copies (rows not a whole number of
+    # blocks), refreshed before each reuse, an odd 4-bit row's last nibble, and a bf16 parameter's
+    # stochastic-rounding place (a new key each step): equal to steps that rebuild every argument
+    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100)]
+    runs = []
+    with cpu_kernel_enabled(False):
+        for reuse in (True, False):
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+            opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512,
+                        bf16_stochastic_round=True, seed=3)
+            for step in range(3):
+                gen = torch.Generator().manual_seed(step)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                reused.clear()
+                opt.step() if reuse else _full_path_step(opt)
+                if reuse:  # every parameter's inductor call, from the second step on
+                    assert _among(ps, reused) == ([] if step == 0 else ps)
+            runs.append((ps, opt))
+    (ps, opt), (ref_ps, ref) = runs
+    _assert_same_states(opt, ps, ref, ref_ps)
+
+
+#: quantized states' parameters: padded and odd rows, 1-D, 3-D; the last is past the CPU's batch limit
+_QUANTIZED_SHAPES = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100), (1000,), (256, 256), (300, 300)]
+#: plain states' (below 65536 elements they would run eagerly)
+_PLAIN_SHAPES = [(256, 256), (65536,), (2, 128, 256), (300, 300)]
+_BATCH_CASES = {
+    # (optimizer, its arguments, parameter dtype, shapes)
+    "adamw 8bit": (AdamW, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
+    "adamw 4bit amsgrad": (AdamW, dict(state_format="4bit", amsgrad=True), torch.float32, _QUANTIZED_SHAPES),
+    "adamw fp8 bf16 params": (AdamW, dict(state_format="fp8"), torch.bfloat16, _QUANTIZED_SHAPES),
+    "lion 8bit": (qstate.optim.Lion, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
+    # stochastic rounding of the parameter: each block row draws under its own parameter's key
+    "adamw 8bit bf16 sr": (AdamW, dict(state_format="8bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
+                           _QUANTIZED_SHAPES),
+    "adamw 4bit bf16 sr": (AdamW, dict(state_format="4bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
+                           _QUANTIZED_SHAPES),
+    "adamw fp32 states": (AdamW, dict(state_format="fp32"), torch.float32, _PLAIN_SHAPES),
+    "sgd bf16 states": (qstate.optim.SGD, dict(state_format="bf16", momentum=0.9), torch.bfloat16, _PLAIN_SHAPES),
+}
+
+
+@pytest.mark.parametrize("case", list(_BATCH_CASES))
+def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch, reused):
+    # small parameters' prepared inductor calls of one kind run as one kernel call over concatenated
+    # copies: the same bits as the full path (one call per parameter), and no graph of their own
+    opt_cls, kwargs, dtype, shapes = _BATCH_CASES[case]
+    batched = []
+    run_batch = _kernels.PreparedKernelCall._run_batch
+
+    def counting(calls, *args):
+        batched.append(len(calls))
+        run_batch(calls, *args)
+
+    monkeypatch.setattr(_kernels.PreparedKernelCall, "_run_batch", staticmethod(counting))
+    runs = []
+    with cpu_kernel_enabled(False):
+        for reuse in (False, True):  # the full path first: it compiles the kinds' graphs
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            reused.clear()
+            torch.manual_seed(0)
+            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+            opt = opt_cls(ps, lr=1e-2, weight_decay=0.1, min_quantize_numel=512, **kwargs)
+            for step in range(3):
+                gen = torch.Generator().manual_seed(step)
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+                opt.step() if reuse else _full_path_step(opt)
+            runs.append((ps, opt))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the batches compiled nothing
+    # steps 2 and 3 reuse the calls; (300, 300) is past the CPU's batch limit and runs on its own (and
+    # a small quantized parameter may run eagerly, without a call)
+    per_step = [len(_among(ps, [run])) for run in reused if _among(ps, [run])]
+    assert len(per_step) == 2 and per_step[0] == per_step[1] >= len(shapes) - 1
+    assert batched == [per_step[0] - 1] * 2
+    (ref_ps, ref), (ps, opt) = runs
+    _assert_same_states(opt, ps, ref, ref_ps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The registry of prepared calls, its queue and its batches: private (``_prepared``, ``_kernels``). No public
+# call observes how many calls it holds, when they leave it, or how calls are grouped and batched; the
+# behaviour they serve (the full path's bits) is checked above.
 
 
 def test_calls_leave_with_their_parameters_and_states(kernel):
@@ -219,91 +378,17 @@ def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
     assert raised == [] and len(registry) == 0
 
 
-_RUN_PREPARED = _cpu_kernel.run_prepared
-
-
-def _patch_run_prepared(monkeypatch, one_by_one: bool) -> list:
-    """Patch run_prepared to record each group's size and, if ``one_by_one``, run the group's calls one
-    at a time (the reference); returns the sizes."""
-    sizes: list = []
-
-    def patched(calls, params, grads, hyper, keys):
-        sizes.append(len(calls))
-        if one_by_one:
-            for call, p, g, key in zip(calls, params, grads, keys):
-                _RUN_PREPARED([call], [p], [g], hyper, [key])
-        else:
-            _RUN_PREPARED(calls, params, grads, hyper, keys)
-
-    monkeypatch.setattr(_cpu_kernel, "run_prepared", patched)
-    return sizes
-
-
-@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
-def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, monkeypatch):
-    # several shapes (ragged rows, an odd 4-bit row, 3-D, 1-D plain) in one step: the kernel's call over
-    # all of a kind's parameters gives each parameter what its own call gives
-    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (640,), (2, 2100)]
-
-    def model():
-        torch.manual_seed(0)
-        return [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-
-    runs, sizes = {}, {}
-    for one_by_one in (False, True):
-        sizes[one_by_one] = _patch_run_prepared(monkeypatch, one_by_one)
-        ps = model()
-        opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512)
-        for step in range(3):
-            gen = torch.Generator().manual_seed(step)
-            for p in ps:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        runs[one_by_one] = (ps, opt)
-    (ps, opt), (ref_ps, ref) = runs[False], runs[True]
-    assert max(sizes[False]) > 1  # at least one kind ran several parameters in one call
-    for p, q in zip(ps, ref_ps):
-        assert torch.equal(p, q)
-        for name, s in opt.state[p].items():
-            r = ref.state[q][name]
-            if type(s) is torch.Tensor:
-                assert torch.equal(s, r), name
-            else:
-                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
-
-
-def test_a_parameter_listed_twice_is_updated_twice_in_order():
-    from qstate.optim import functional as F
-
-    results = []
-    for twice in (True, False):
-        p = torch.randn(8, 640, generator=torch.Generator().manual_seed(9))
-        m = qstate.zeros_like(p, "8bit", signed=True, dtype=torch.float32)
-        v = qstate.zeros_like(p, "8bit", signed=False, dtype=torch.float32)
-        gs = [torch.randn(8, 640, generator=torch.Generator().manual_seed(k)) for k in range(3)]
-        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, compile=True)
-        F.adamw([p], [gs[0]], [m], [v], [1], **kw)  # prepares the call
-        if twice:
-            F.adamw([p, p], gs[1:], [m, m], [v, v], [2, 3], **kw)
-        else:
-            F.adamw([p], [gs[1]], [m], [v], [2], **kw)
-            F.adamw([p], [gs[2]], [m], [v], [3], **kw)
-        results.append((p, m.codes, v.codes))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-
-
-def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queue(monkeypatch):
+def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queue():
     # PendingCalls.add(..., owner=X) (a DTensor parameter X queued through its shard's call): an update
     # of X outside the queue (before(X)) runs the queue first; one of another tensor does not
     ran = []
-    monkeypatch.setattr(_cpu_kernel, "run_prepared", lambda calls, ps, gs, hyper, keys: ran.append(len(calls)))
 
     class Call:
         group, sr = ("c", 1), False
 
         @staticmethod
         def run_group(calls, ps, gs, hyper, keys):
-            _cpu_kernel.run_prepared(calls, ps, gs, hyper, keys)
+            ran.append(len(calls))
 
     pending = _prepared.PendingCalls()
     shard, owner, other = torch.zeros(1), torch.zeros(1), torch.zeros(1)
@@ -314,51 +399,6 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
     assert ran == [1]
     pending.before(owner)  # nothing queued any more
     assert ran == [1]
-
-
-def test_a_grouped_call_bumps_every_parameters_version(kernel):
-    # the kernel writes through raw pointers: autograd must still see each in-place update
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(64, 1024)) for _ in range(3)]
-    for p in ps:
-        p.grad = torch.randn_like(p)
-    opt = AdamW(ps, lr=1e-3, state_format="8bit")
-    opt.step()  # the full path, which prepares the calls
-    before = [p._version for p in ps]
-    opt.step()  # one grouped call
-    assert [p._version for p in ps] == [v + 1 for v in before]
-
-
-@pytest.mark.parametrize("fmt, dtype", [("8bit", torch.bfloat16), ("4bit", torch.float32)])
-def test_inductor_calls_over_padded_and_odd_rows_give_the_full_paths_results(fmt, dtype):
-    # the inductor kernel's prepared calls keep padded block-space copies (rows not a whole number of
-    # blocks), refreshed before each reuse, an odd 4-bit row's last nibble, and a bf16 parameter's
-    # stochastic-rounding place (a new key each step): equal to steps that rebuild every argument
-    shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100)]
-    runs = []
-    with cpu_kernel_enabled(False):
-        for reuse in (True, False):
-            torch.manual_seed(0)
-            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-            opt = AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quantize_numel=512,
-                        bf16_stochastic_round=True, seed=3)
-            for step in range(3):
-                gen = torch.Generator().manual_seed(step)
-                for p in ps:
-                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-                with contextlib.nullcontext() if reuse else _full_path():
-                    opt.step()
-            if reuse:
-                calls = [c for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)]
-                assert len(calls) == len(ps) and all(type(c) is _kernels.PreparedKernelCall for c in calls)
-            runs.append((ps, opt))
-    (ps, opt), (ref_ps, ref) = runs
-    for p, q in zip(ps, ref_ps):
-        assert torch.equal(p, q)
-        for name, s in opt.state[p].items():
-            r = ref.state[q][name]
-            if name != "step":
-                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
 
 
 def test_clearing_the_calls_of_some_parameters_keeps_the_others():
@@ -393,69 +433,6 @@ def test_a_dropped_call_is_freed_without_a_garbage_collection():
             assert call() is None
         finally:
             gc.enable()
-
-
-#: quantized states' parameters: padded and odd rows, 1-D, 3-D; the last is past the CPU's batch limit
-_QUANTIZED_SHAPES = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (2, 2100), (1000,), (256, 256), (300, 300)]
-#: plain states' (smaller ones run eagerly: _step.SMALL_PLAIN_NUMEL)
-_PLAIN_SHAPES = [(256, 256), (65536,), (2, 128, 256), (300, 300)]
-_BATCH_CASES = {
-    # (optimizer, its arguments, parameter dtype, shapes)
-    "adamw 8bit": (AdamW, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
-    "adamw 4bit amsgrad": (AdamW, dict(state_format="4bit", amsgrad=True), torch.float32, _QUANTIZED_SHAPES),
-    "adamw fp8 bf16 params": (AdamW, dict(state_format="fp8"), torch.bfloat16, _QUANTIZED_SHAPES),
-    "lion 8bit": (qstate.optim.Lion, dict(state_format="8bit"), torch.float32, _QUANTIZED_SHAPES),
-    # stochastic rounding of the parameter: each block row draws under its own parameter's key
-    "adamw 8bit bf16 sr": (AdamW, dict(state_format="8bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
-                           _QUANTIZED_SHAPES),
-    "adamw 4bit bf16 sr": (AdamW, dict(state_format="4bit", bf16_stochastic_round=True, seed=3), torch.bfloat16,
-                           _QUANTIZED_SHAPES),
-    "adamw fp32 states": (AdamW, dict(state_format="fp32"), torch.float32, _PLAIN_SHAPES),
-    "sgd bf16 states": (qstate.optim.SGD, dict(state_format="bf16", momentum=0.9), torch.bfloat16, _PLAIN_SHAPES),
-}
-
-
-@pytest.mark.parametrize("case", list(_BATCH_CASES))
-def test_inductor_calls_in_batches_equal_the_calls_one_by_one(case, monkeypatch):
-    # small parameters' prepared inductor calls of one kind run as one kernel call over concatenated
-    # copies (_kernels._run_batch): the same bits as one call per parameter, and no graph of their own
-    opt_cls, kwargs, dtype, shapes = _BATCH_CASES[case]
-    batched = []
-    run_batch = _kernels.PreparedKernelCall._run_batch
-
-    def counting(calls, *args):
-        batched.append(len(calls))
-        run_batch(calls, *args)
-
-    monkeypatch.setattr(_kernels.PreparedKernelCall, "_run_batch", staticmethod(counting))
-    runs = []
-    with cpu_kernel_enabled(False):
-        for limits in ({}, _kernels._BATCH_LIMITS):  # one by one first: it compiles the kinds' graphs
-            monkeypatch.setattr(_kernels, "_BATCH_LIMITS", limits)
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            torch.manual_seed(0)
-            ps = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
-            opt = opt_cls(ps, lr=1e-2, weight_decay=0.1, min_quantize_numel=512, **kwargs)
-            for step in range(3):
-                gen = torch.Generator().manual_seed(step)
-                for p in ps:
-                    p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-                opt.step()
-            runs.append((ps, opt))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the batches compiled nothing
-    # steps 2 and 3 reuse the calls; (300, 300) is past the CPU's batch limit and runs on its own (and
-    # a small quantized parameter may run eagerly, without a call: _step._small_eager)
-    calls = [c for c in _prepared._PREPARED.values() if any(c.param() is p for p in ps)]
-    assert len(calls) >= len(shapes) - 1 and batched == [len(calls) - 1] * 2
-    (ref_ps, ref), (ps, opt) = runs
-    for p, q in zip(ps, ref_ps):
-        assert torch.equal(p, q)
-        for name, s in opt.state[p].items():
-            r = ref.state[q][name]
-            if type(s) is qstate.QuantizedState:
-                assert torch.equal(s.codes, r.codes) and torch.equal(s.scale, r.scale), name
-            else:
-                assert torch.equal(s, r), name
 
 
 def test_batches_close_at_the_devices_limits(monkeypatch):

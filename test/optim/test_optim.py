@@ -54,7 +54,8 @@ def test_fp32_eager_matches_torch_exactly(case):
 
 
 def test_fp32_compiled_matches_torch():
-    # (300, 300): above _step.SMALL_PLAIN_NUMEL, so the compiled plain kernel runs too
+    # (300, 300): 65536 elements or more, so the compiled plain kernel runs too (smaller plain states run
+    # the eager math)
     a, b, _ = _train_pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
                           lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, state_format="fp32", compile=True),
                           shapes=SHAPES + [(300, 300)])
@@ -186,7 +187,7 @@ def test_one_graph_per_kernel_kind_not_per_shape():
         run_steps(lambda ps: AdamW(ps, lr=1e-3, betas=(0.5, 0.9), state_format="8bit", min_quantize_numel=0),
                   params([(300, 3), (17,)]), 2)
     # one graph for the 8bit kind (every ndim >= 2 shape); 1-D params keep small plain states, which
-    # run eagerly (_step.SMALL_PLAIN_NUMEL)
+    # run eagerly (plain states below 65536 elements)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 
 
@@ -323,7 +324,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
 
 
 def _bf16_run(steps, seed, sr, compile=False, state=None):
-    # above _step.SMALL_PLAIN_NUMEL, so that compile=True runs the compiled kernel
+    # 65536 elements or more, so that compile=True runs the compiled kernel, not the eager math
     p = torch.nn.Parameter(torch.ones(512, 160, dtype=torch.bfloat16))
     opt = SGD([p], lr=2.0**-12, state_format="fp32", bf16_stochastic_round=sr, seed=seed, compile=compile)
     if state is not None:
@@ -374,7 +375,7 @@ def test_bf16_stochastic_rounding_draws_the_same_on_every_path():
     # bit for bit (otherwise a path that fuses the multiply-add, as ATen does, moves a few values by one
     # float32 step, which can flip a rounding decision)
     torch.manual_seed(0)
-    start = torch.randn(300, 301).bfloat16()  # above _step.SMALL_PLAIN_NUMEL: inductor's kernel runs
+    start = torch.randn(300, 301).bfloat16()  # 65536 elements or more: inductor's kernel runs
     grads = [torch.randn(300, 301).bfloat16() for _ in range(3)]
     runs = []
     for compile, c_kernel in [(False, True), (True, True), (True, False)]:
