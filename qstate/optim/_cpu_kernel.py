@@ -12,8 +12,9 @@ kernel call (about 0.15 ms) or, for biases and norms, ~15 eager ops.
 Build: one shared object per kernel kind (:class:`~qstate.optim._kernels.KernelSpec`,
 shapes never enter), compiled on first use with the C compiler inductor uses
 (``$CC`` or ``cc``; gcc or clang) and ``_CFLAGS`` (``-O3 -march=native
--fopenmp``; ``-ffp-contract=off``: no fused multiply-adds), cached in ``<inductor cache dir>/qstate`` under a hash
-of the source, configuration, compiler and CPU, and loaded with ``ctypes``.
+-fopenmp``; ``-ffp-contract=off``: no fused multiply-adds), then the flags of ``$QSTATE_CPU_KERNEL_CFLAGS``
+(:func:`_cflags`), cached in ``<inductor cache dir>/qstate`` under a hash of the source, configuration,
+compiler, flags and CPU, and loaded with ``ctypes``.
 A compiler failure raises (with the compiler's message); nothing falls back
 silently.
 
