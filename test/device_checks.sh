@@ -8,8 +8,8 @@
 # kernel natively and without its vector paths (equal bits; AVX-512 VBMI on that machine's Xeon), then the
 # per-parameter cost of many parameters' calls on CUDA (bench_call_overhead: batches of small parameters'
 # calls since 6dc6f81), and a whole GPT-like model's step at 98 and 290 tensors (bench_model_step: host
-# time per step against the tensor count, 8bit against torch fused and bitsandbytes where installed).
-# About 6-7 minutes; logs and JSON under $OUT (or /tmp/device_checks).
+# time per step against the tensor count, 8bit against torch fused and bitsandbytes where installed), and the
+# same model's step on one CPU thread. About 7-8 minutes; logs and JSON under $OUT (or /tmp/device_checks).
 set -u
 out=${OUT:-/tmp/device_checks}
 mkdir -p "$out"
@@ -46,3 +46,6 @@ for layers in 8 24; do
     timeout 150 python3 benchmarks/bench_model_step.py --device cuda --layers $layers --repeats 9 \
         --out "$out/model_$layers" | tail -12
 done
+echo "== bench_model_step on the CPU, one thread (the 8bit step against torch fused on this Xeon)"
+taskset -c 0 timeout 120 python3 benchmarks/bench_model_step.py --threads 1 --repeats 5 --no-third-party \
+    --formats 8bit,fp8 --out "$out/model_cpu" | tail -8
