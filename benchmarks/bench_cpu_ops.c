@@ -49,6 +49,8 @@ int main(void) {
     BENCH8("vpermi2w zmm", "vpermi2w")
     BENCH8("vpermps zmm", "vpermps")
     BENCH8("vdivps zmm", "vdivps")
+  BENCH8("vpmulld zmm", "vpmulld")
+  BENCH8("vpmuludq zmm", "vpmuludq")
     {
         const double t0 = now();
         for (long i = 0; i < N; i++)
