@@ -1,8 +1,8 @@
 /* Reciprocal throughput of the AVX-512 instructions the C update kernel's time goes to
  * (qstate/optim/csrc/update_kernel.c): the rule's square root and divisions, the 8-bit codecs'
- * permutes, and the ALU and FMA work around them. Eight (four for the slow ones) independent
- * instructions per loop iteration, nanoseconds per instruction; a dependent scalar add gives the
- * clock (one cycle).
+ * permutes, shifts and compares into masks, the rounding hash's multiplies, and the ALU and FMA work
+ * around them. Eight (four where written by hand) independent instructions per loop iteration,
+ * nanoseconds per instruction; a dependent scalar add gives the clock (one cycle).
  *
  *     cc -O2 -march=native benchmarks/bench_cpu_ops.c -o /tmp/bench_cpu_ops && /tmp/bench_cpu_ops
  *
@@ -41,6 +41,7 @@ int main(void) {
         REPORT("dependent add (clock)", t0, 8);
     }
     BENCH8("vpaddd zmm", "vpaddd")
+    BENCH8("vpsrlvw zmm", "vpsrlvw")
     BENCH8("vpblendmb zmm", "vpblendmb")
     BENCH8("vmulps zmm", "vmulps")
     BENCH8("vfmadd231ps zmm", "vfmadd231ps")
@@ -51,6 +52,20 @@ int main(void) {
     BENCH8("vdivps zmm", "vdivps")
   BENCH8("vpmulld zmm", "vpmulld")
   BENCH8("vpmuludq zmm", "vpmuludq")
+    {
+        const double t0 = now();
+        for (long i = 0; i < N; i++)
+            __asm__ volatile("vpsrld $3,%%zmm0,%%zmm10\n vpsrld $3,%%zmm0,%%zmm11\n"
+                             "vpsrld $3,%%zmm0,%%zmm12\n vpsrld $3,%%zmm0,%%zmm13" ::: "xmm10", "xmm11", "xmm12", "xmm13");
+        REPORT("vpsrld imm zmm", t0, 4);
+    }
+    {
+        const double t0 = now();
+        for (long i = 0; i < N; i++)
+            __asm__ volatile("vcmpps $1,%%zmm0,%%zmm1,%%k2\n vcmpps $1,%%zmm0,%%zmm1,%%k3\n"
+                             "vcmpps $1,%%zmm0,%%zmm1,%%k4\n vcmpps $1,%%zmm0,%%zmm1,%%k5" ::: "k2", "k3", "k4", "k5");
+        REPORT("vcmpps zmm -> mask", t0, 4);
+    }
     {
         const double t0 = now();
         for (long i = 0; i < N; i++)
