@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._dtensor import check_placements, is_dtensor, map_local, wrap_local_state
+from ._dtensor import is_dtensor, state_on_shards
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
@@ -64,9 +64,8 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     ``ValueError``.
     """
     if is_dtensor(x):
-        check_placements(x, "quantize")
-        return wrap_local_state(map_local(x.to_local(), lambda t: quantize(
-            t, fmt, signed=signed, block_size=block_size, rounding=rounding)), x)
+        return state_on_shards(x, "quantize", lambda t: quantize(
+            t, fmt, signed=signed, block_size=block_size, rounding=rounding))
     if isinstance(x, QuantizedState):
         raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
     _check_appearance(x.dtype, "quantize")
@@ -96,9 +95,8 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
     ``rounding``: the state's rounding mode, as in :func:`quantize`.
     """
     if is_dtensor(p):
-        check_placements(p, "zeros_like")
-        return wrap_local_state(map_local(p.to_local(), lambda t: zeros_like(
-            t, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding)), p)
+        return state_on_shards(p, "zeros_like", lambda t: zeros_like(
+            t, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding))
     dtype = dtype or p.dtype
     _check_appearance(dtype, "zeros_like")
     f, bs = _resolve(fmt, block_size, signed, rounding)

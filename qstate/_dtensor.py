@@ -1,7 +1,7 @@
 """DTensor helpers below every qstate module: whether a tensor is a DTensor, its local tensor, a
-function of each (simulated) rank's shard, the placements a quantized state may have, and a
-DTensor over a local state. Imports nothing of qstate (:mod:`qstate._api` builds quantized
-DTensors with them, :mod:`qstate.distributed` exports them)."""
+DTensor over a local state, and a quantized DTensor state made shard by shard. Imports nothing of
+qstate (:mod:`qstate._api` builds quantized DTensors with them, :mod:`qstate.distributed` exports
+them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-__all__ = ["dtensor_type", "is_dtensor", "local_of", "map_local", "check_placements", "wrap_local_state"]
+__all__ = ["dtensor_type", "is_dtensor", "local_of", "wrap_local_state", "state_on_shards"]
 
 
 @functools.cache
@@ -33,7 +33,7 @@ def local_of(t: Tensor) -> Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
-def map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+def _map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` of this rank's shard (of every simulated rank's under LocalTensorMode)."""
     try:
         from torch.distributed._local_tensor import LocalTensor, tensor_map
@@ -44,7 +44,7 @@ def map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     return fn(local)
 
 
-def check_placements(x: Tensor, what: str) -> None:
+def _check_placements(x: Tensor, what: str) -> None:
     """Raise unless every placement of ``x`` is one a quantized DTensor state may have:
     ``Replicate()`` or ``Shard(0)``."""
     from torch.distributed.tensor import Replicate, Shard
@@ -71,3 +71,11 @@ def wrap_local_state(local: Tensor, like: Tensor) -> Tensor:
     spec = DTensorSpec(mesh, tuple(like.placements),
                        tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def state_on_shards(x: Tensor, what: str, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """The DTensor with ``x``'s mesh, placements, shape and stride over ``fn`` of ``x``'s local tensor
+    (of every simulated rank's): a quantized state made shard by shard. Raises ``NotImplementedError``
+    naming ``what`` unless every placement of ``x`` is ``Replicate()`` or ``Shard(0)``."""
+    _check_placements(x, what)
+    return wrap_local_state(_map_local(x.to_local(), fn), x)

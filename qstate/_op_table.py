@@ -3,10 +3,10 @@
 Each entry is one function per aten / c10d op overload, added with
 :func:`register` by the handler modules of :mod:`qstate.ops` (and by the
 owners of qstate's own ops); :class:`~qstate.QuantizedState` reads it and
-this module imports nothing of qstate. An op with no entry raises ``NotImplementedError`` naming the
-op and its argument types: there is no silent dequantize fallback. Ops that
-*read* a state as numbers (``mul``, ``sqrt``, ...) are registered explicitly
-and return plain tensors.
+this module imports nothing of qstate. An op with no entry raises
+``NotImplementedError`` naming the op and its argument types: there is no
+silent dequantize fallback. Ops that *read* a state as numbers (``mul``,
+``sqrt``, ...) are registered explicitly and return plain tensors.
 """
 
 from __future__ import annotations
