@@ -5,9 +5,9 @@ Updates run through the public API (the functional optimizers, ``qstate::fused_u
 compiler run in a fresh interpreter configured through the build's environment (``$CC``,
 ``$QSTATE_CPU_KERNEL_CFLAGS``, ``$TORCHINDUCTOR_CACHE_DIR``). Private (``_cpu_kernel``), as nothing public
 reaches them: the checkers that compile C harnesses against the kernel's configured source (its
-``#define`` block, source file and flags) to test its vector encodes and decodes function by function, the
-tables they read, and whether the C kernel takes a kind (:func:`_cpu_kernel.supports`), which makes sure a
-test of it does not run inductor's kernel instead.
+``#define`` block, source file, flags and compiler) to test its vector encodes and decodes function by
+function, the tables they read, and whether the C kernel takes a kind (:func:`_cpu_kernel.supports`),
+which makes sure a test of it does not run inductor's kernel instead.
 """
 
 from __future__ import annotations
@@ -327,18 +327,9 @@ _SIMDE_SHIM = Path(__file__).with_name("simde_avx512.h")
 
 
 @functools.lru_cache(maxsize=None)
-def _cc() -> str | None:
-    """The C compiler the kernel builds with: ``$CC``, else ``cc`` (or gcc, clang) on the path."""
-    import os
-    import shutil
-
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-@functools.lru_cache(maxsize=None)
 def _native_defines() -> str:
     """The predefined macros of the kernel's native build (``-march=native``): its vector extensions."""
-    cc = _cc()
+    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
     if cc is None:
         return ""
     return subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
@@ -350,7 +341,7 @@ def _simde_flags() -> tuple[str, ...] | None:
     """Compiler flags with which the kernel takes its AVX-512 VBMI paths on an x86-64 machine with AVX2 but
     without AVX-512 (``QSTATE_SIMDE_AVX512``, and ``test/simde_avx512.h``: SIMDe's intrinsics), or None where
     they do not build (another architecture, no C compiler, no SIMDe headers: Debian's ``libsimde-dev``)."""
-    cc = _cc()
+    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
     if platform.machine() not in ("x86_64", "AMD64") or cc is None or "__AVX2__" not in _native_defines():
         return None
     flags = ("-DQSTATE_SIMDE_AVX512", "-include", str(_SIMDE_SHIM))
@@ -398,7 +389,7 @@ _MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "por
 def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     # the machine running the suite takes one vector path; the others must at least build (compile only,
     # each kind of AdamW's states: 8bit, 4bit with a stochastic first moment, fp8, plain bf16)
-    cc = _cc()
+    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
     if cc is None:
         pytest.skip("no C compiler")
     p = torch.zeros(2, 256)
@@ -532,7 +523,7 @@ def _checker(tmp_path, states: list, source: str, function: str, flags: tuple = 
     ``states``), compiled as the kernel is (plus ``flags``); skips without a C compiler."""
     import ctypes
 
-    cc = _cc()
+    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
     if cc is None:
         pytest.skip("no C compiler")
     spec = KernelSpec.of("adam", (("decoupled", True),), torch.zeros(2, 256), states, False)
