@@ -177,6 +177,13 @@ class TestDTensorStatePins(expecttest.TestCase):
             with self.assertRaises(NotImplementedError):
                 qstate.quantize(p, "4bit")
 
+    def test_dtensor_entry_points_reject_a_plain_tensor(self):
+        for fn in (qstate.distributed.quantize_dtensor, qstate.distributed.zeros_like_dtensor):
+            with self.assertRaises(TypeError) as info:
+                fn(torch.zeros(8, 16), "8bit")
+            self.assertExpectedInline(str(info.exception).split(":")[1], """ expected a DTensor, got Tensor""")
+            assert str(info.exception).startswith(fn.__name__)
+
     def test_fused_update_rejects_layouts_it_cannot_run_shard_by_shard(self):
         fused_update = torch.ops.qstate.fused_update.default
         from qstate.dtensor_rules import flat_starts

@@ -492,6 +492,30 @@ unchanged: True
 """)
 
 
+    def test_extra_cflags_reach_the_compiler(self):
+        # $QSTATE_CPU_KERNEL_CFLAGS is appended to the build's flags: an option the compiler rejects fails the
+        # build (the step raises, nothing changes), and valid extra flags build another library of the kind
+        import os
+        import sys
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, QSTATE_CPU_KERNEL_CFLAGS="-fqstate-no-such-option", TORCHINDUCTOR_CACHE_DIR=tmp)
+            proc = subprocess.run([sys.executable, "-c", _FAILING_COMPILER], cwd=_ROOT, env=env, capture_output=True,
+                                  text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        self.assertExpectedInline(proc.stdout.replace(_cpu_kernel._compiler(), "CC"), """\
+qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with CC failed:
+unchanged: True
+""")
+
+
+def test_extra_cflags_build_their_own_library(tmp_path):
+    _run_in_build((), [("_run", "adamw_8bit", True, 1)], tmp_path)
+    _run_in_build(("-O2",), [("_run", "adamw_8bit", True, 1)], tmp_path)
+    assert len(list((tmp_path / "cache" / "qstate").glob("qstate_update_*.so"))) == 2  # one kind, two flag sets
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # _binade_tables' rule (the C kernel's encode8_64): bucket by sign, binade and top mantissa
