@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ._dtensor import is_dtensor, state_on_shards
+from ._dtensor import is_dtensor, wrap_local_state
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
@@ -64,7 +64,7 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     ``ValueError``.
     """
     if is_dtensor(x):
-        return state_on_shards(x, "quantize", lambda t: quantize(
+        return _on_shards(x, "quantize", lambda t: quantize(
             t, fmt, signed=signed, block_size=block_size, rounding=rounding))
     if isinstance(x, QuantizedState):
         raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
@@ -95,7 +95,7 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
     ``rounding``: the state's rounding mode, as in :func:`quantize`.
     """
     if is_dtensor(p):
-        return state_on_shards(p, "zeros_like", lambda t: zeros_like(
+        return _on_shards(p, "zeros_like", lambda t: zeros_like(
             t, fmt, signed=signed, block_size=block_size, dtype=dtype, rounding=rounding))
     dtype = dtype or p.dtype
     _check_appearance(dtype, "zeros_like")
@@ -115,3 +115,37 @@ def encode_like(q: QuantizedState, x: Tensor, draws: Optional[Tensor] = None) ->
         draws = _rows(draws.to(device), q.rows, q.row_len)
     return q.fmt.encode(_rows(x.to(device), q.rows, q.row_len), q.block_size, q.signed, q.qmap, q.rounding,
                         draws)
+
+
+# ----------------------------------------------------------------------------- DTensor states
+
+def _map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn`` of this rank's shard (of every simulated rank's under LocalTensorMode)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor, tensor_map
+    except ImportError:  # torch without simulated ranks
+        return fn(local)
+    if isinstance(local, LocalTensor):
+        return tensor_map(local, lambda rank, shard: fn(shard))
+    return fn(local)
+
+
+def _check_placements(x: Tensor, what: str) -> None:
+    """Raise unless every placement of ``x`` is one a quantized DTensor state may have:
+    ``Replicate()`` or ``Shard(0)``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for p in x.placements:
+        if not (type(p) is Replicate or (type(p) is Shard and p.dim == 0)):
+            raise NotImplementedError(
+                f"{what}: a quantized DTensor state must be Replicate() or Shard(0) on every mesh dim, "
+                f"got placements {tuple(x.placements)} for shape {tuple(x.shape)}"
+            )
+
+
+def _on_shards(x: Tensor, what: str, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """The DTensor with ``x``'s mesh, placements, shape and stride over ``fn`` of ``x``'s local tensor
+    (of every simulated rank's): a quantized state made shard by shard. Raises ``NotImplementedError``
+    naming ``what`` unless every placement of ``x`` is ``Replicate()`` or ``Shard(0)``."""
+    _check_placements(x, what)
+    return wrap_local_state(_map_local(x.to_local(), fn), x)

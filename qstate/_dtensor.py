@@ -1,16 +1,21 @@
-"""DTensor helpers below every qstate module: whether a tensor is a DTensor, its local tensor, a
-DTensor over a local state, and a quantized DTensor state made shard by shard. Imports nothing of
-qstate (:mod:`qstate._api` builds quantized DTensors with them, :mod:`qstate.distributed` exports
-them)."""
+"""Helpers that look through DTensor (and simulated ranks' ``LocalTensor``) wrappers: whether a
+tensor is a DTensor, its local tensor, whether it holds a :class:`~qstate.QuantizedState` and of
+which kind, and a DTensor over a local state.
+
+Imports only :class:`~qstate.QuantizedState` of qstate: the package's own modules (``qstate._api``,
+the optimizers' step, checkpointing) ask here, and :mod:`qstate.distributed` exports them to users."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from torch import Tensor
 
-__all__ = ["dtensor_type", "is_dtensor", "local_of", "wrap_local_state", "state_on_shards"]
+from ._state import QuantizedState
+
+__all__ = ["dtensor_type", "is_dtensor", "local_of", "is_quantized_state", "rounds_stochastically", "state_kind",
+           "wrap_local_state"]
 
 
 @functools.cache
@@ -33,28 +38,34 @@ def local_of(t: Tensor) -> Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
-def _map_local(local: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """``fn`` of this rank's shard (of every simulated rank's under LocalTensorMode)."""
-    try:
-        from torch.distributed._local_tensor import LocalTensor, tensor_map
-    except ImportError:  # torch without simulated ranks
-        return fn(local)
-    if isinstance(local, LocalTensor):
-        return tensor_map(local, lambda rank, shard: fn(shard))
-    return fn(local)
+def is_quantized_state(t: Tensor) -> bool:
+    """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
+    return isinstance(local_of(t), QuantizedState)
 
 
-def _check_placements(x: Tensor, what: str) -> None:
-    """Raise unless every placement of ``x`` is one a quantized DTensor state may have:
-    ``Replicate()`` or ``Shard(0)``."""
-    from torch.distributed.tensor import Replicate, Shard
+def rounds_stochastically(t: Tensor) -> bool:
+    """Whether ``t`` is a quantized state with stochastic rounding (a :class:`~qstate.QuantizedState`,
+    or a DTensor over one, a simulated rank's ``LocalTensor`` included)."""
+    if type(t) is QuantizedState:  # asked for every state every step: the common case first
+        return t.rounding == "stochastic"
+    local = local_of(t)
+    shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
+    if isinstance(shards, dict) and shards:
+        local = next(iter(shards.values()))
+    return isinstance(local, QuantizedState) and local.rounding == "stochastic"
 
-    for p in x.placements:
-        if not (type(p) is Replicate or (type(p) is Shard and p.dim == 0)):
-            raise NotImplementedError(
-                f"{what}: a quantized DTensor state must be Replicate() or Shard(0) on every mesh dim, "
-                f"got placements {tuple(x.placements)} for shape {tuple(x.shape)}"
-            )
+
+def state_kind(t: Tensor) -> str:
+    """``"<format> <signed|unsigned> block_size=<n>"`` or ``"plain <dtype>"`` of a state, DTensor or not.
+
+    A stochastically rounded state adds ``" rounding=stochastic"``
+    (:meth:`QuantizedState.kind`). The kind of a DTensor state is its local
+    tensor's (the same on every rank, see :func:`qstate.distributed.state_like`).
+    """
+    local = local_of(t)
+    if isinstance(local, QuantizedState):
+        return local.kind()
+    return f"plain {local.dtype}"
 
 
 def wrap_local_state(local: Tensor, like: Tensor) -> Tensor:
@@ -71,11 +82,3 @@ def wrap_local_state(local: Tensor, like: Tensor) -> Tensor:
     spec = DTensorSpec(mesh, tuple(like.placements),
                        tensor_meta=TensorMeta(like.shape, like.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)
-
-
-def state_on_shards(x: Tensor, what: str, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """The DTensor with ``x``'s mesh, placements, shape and stride over ``fn`` of ``x``'s local tensor
-    (of every simulated rank's): a quantized state made shard by shard. Raises ``NotImplementedError``
-    naming ``what`` unless every placement of ``x`` is ``Replicate()`` or ``Shard(0)``."""
-    _check_placements(x, what)
-    return wrap_local_state(_map_local(x.to_local(), fn), x)

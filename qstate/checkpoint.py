@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.utils._pytree import tree_map_only
 
+from ._dtensor import state_kind
 from ._state import QuantizedState
-from .distributed import state_kind
 
 __all__ = ["load", "NamingLoadPlanner"]
 

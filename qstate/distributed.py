@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from ._api import quantize, zeros_like
-from ._dtensor import is_dtensor, local_of, wrap_local_state
+from ._dtensor import is_dtensor, is_quantized_state, local_of, rounds_stochastically, state_kind
 from ._state import QuantizedState
 
-__all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "state_kind", "quantize_dtensor", "zeros_like_dtensor", "state_like", "wants_quantized",
-           "DEFAULT_MIN_QUANTIZE_NUMEL"]
+__all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "state_kind", "quantize_dtensor",
+           "zeros_like_dtensor", "state_like", "wants_quantized", "DEFAULT_MIN_QUANTIZE_NUMEL"]
 
 #: tensors with fewer elements keep a plain fp32 state
 DEFAULT_MIN_QUANTIZE_NUMEL = 4096
@@ -39,36 +39,6 @@ def local_nbytes(state: Tensor) -> int:
     if isinstance(local, QuantizedState):
         return local.storage_nbytes()
     return local.numel() * local.element_size()
-
-
-def is_quantized_state(t: Tensor) -> bool:
-    """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
-    return isinstance(local_of(t), QuantizedState)
-
-
-def rounds_stochastically(t: Tensor) -> bool:
-    """Whether ``t`` is a quantized state with stochastic rounding (a :class:`~qstate.QuantizedState`,
-    or a DTensor over one, a simulated rank's ``LocalTensor`` included)."""
-    if type(t) is QuantizedState:  # asked for every state every step: the common case first
-        return t.rounding == "stochastic"
-    local = local_of(t)
-    shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
-    if isinstance(shards, dict) and shards:
-        local = next(iter(shards.values()))
-    return isinstance(local, QuantizedState) and local.rounding == "stochastic"
-
-
-def state_kind(t: Tensor) -> str:
-    """``"<format> <signed|unsigned> block_size=<n>"`` or ``"plain <dtype>"`` of a state, DTensor or not.
-
-    A stochastically rounded state adds ``" rounding=stochastic"``
-    (:meth:`QuantizedState.kind`). The kind of a DTensor state is its local
-    tensor's (the same on every rank, see :func:`state_like`).
-    """
-    local = local_of(t)
-    if isinstance(local, QuantizedState):
-        return local.kind()
-    return f"plain {local.dtype}"
 
 
 def _check_dtensor(x: Any, what: str) -> None:

@@ -87,9 +87,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
+from .._dtensor import local_of, state_kind
 from .._state import quantized_kind
 from ..amp import found_non_finite
-from ..distributed import local_of, state_kind, wants_quantized
+from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import _step
 from ._rules import UpdateRule

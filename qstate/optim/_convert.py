@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed import is_quantized_state
+from .._dtensor import is_quantized_state
 from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout
 from ._arguments import IMPLEMENTATION_OPTIONS
 

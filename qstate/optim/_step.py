@@ -69,9 +69,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .._state import QuantizedState
-from ..distributed import is_dtensor, is_quantized_state, rounds_stochastically
 from .. import _splitmix64 as splitmix64
+from .._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
+from .._state import QuantizedState
 from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
 from . import _cpu_kernel
 from ._fused_op import call_key, eager_call, fused_kind, fused_update

@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._dtensor import rounds_stochastically
 from .._library import copy_with_draws_
-from ..distributed import rounds_stochastically
 from ..formats import position_hash32, state_key
 from ._rounding import flat_index, key_draws, store_param
 from ._rules import UpdateRule

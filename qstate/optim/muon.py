@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..distributed import is_dtensor, rounds_stochastically
+from .._dtensor import is_dtensor, rounds_stochastically
 from ._base import QuantizedOptimizer
 from . import _step
 from ._arguments import check_betas, check_lr, check_non_negative
