@@ -225,18 +225,3 @@ class BlockFormat:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, bits={self.bits}, default_block_size={self.default_block_size})"
-
-
-def nearest_code(y: Tensor, qmap: Tensor) -> Tensor:
-    """Index of the nearest entry of the sorted ``qmap`` for each ``y``.
-
-    Equal to ``(y[..., None] - qmap).abs().argmin(-1)`` (ties go to the lower
-    index) without materializing the ``[..., len(qmap)]`` distance tensor.
-    """
-    hi = torch.searchsorted(qmap, y.contiguous()).clamp_(1, qmap.numel() - 1)
-    lo = hi - 1
-    take_lo = (y - qmap[lo]).abs() <= (qmap[hi] - y).abs()
-    return torch.where(take_lo, lo, hi)
-
-
-__all__ += ["nearest_code"]

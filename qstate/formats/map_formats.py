@@ -40,10 +40,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._base import BlockFormat, nearest_code
+from ._base import BlockFormat
 from ._rounding import stochastic_code
 
-__all__ = ["MapFormat", "dynamic_map", "normal_map", "square_map", "EIGHT_BIT", "FOUR_BIT"]
+__all__ = ["MapFormat", "nearest_code", "dynamic_map", "normal_map", "square_map", "EIGHT_BIT", "FOUR_BIT"]
+
+
+def nearest_code(y: Tensor, qmap: Tensor) -> Tensor:
+    """Index of the nearest entry of the sorted ``qmap`` for each ``y``.
+
+    Equal to ``(y[..., None] - qmap).abs().argmin(-1)`` (ties go to the lower
+    index) without materializing the ``[..., len(qmap)]`` distance tensor.
+    """
+    hi = torch.searchsorted(qmap, y.contiguous()).clamp_(1, qmap.numel() - 1)
+    lo = hi - 1
+    take_lo = (y - qmap[lo]).abs() <= (qmap[hi] - y).abs()
+    return torch.where(take_lo, lo, hi)
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
