@@ -1,9 +1,10 @@
 """The ``qstate`` operator namespace (``torch.ops.qstate``).
 
-Schemas and fake kernels (shapes and dtypes, for tracing): each op's kernels
-are registered by the module that owns its math, and its handlers by :mod:`qstate.ops` (QuantizedState) and
-:mod:`qstate.dtensor_rules` (DTensor), so those packages can name the op
-without importing the optimizers.
+Schemas and fake kernels (shapes and dtypes, for tracing): each op's kernels,
+and its rule for :class:`~qstate.QuantizedState` arguments
+(``torch.library.register_torch_dispatch``), are registered by the module that
+owns its math, and its DTensor sharding strategy by :mod:`qstate.dtensor_rules`,
+so that package can name the op without importing the optimizers.
 
 * ``fused_update(params, grads, states, hyper, kind)``: one optimizer update of
   each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._fused_op`),

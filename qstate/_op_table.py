@@ -1,9 +1,12 @@
 """The ``__torch_dispatch__`` table of :class:`~qstate.QuantizedState`.
 
 Each entry is one function per aten / c10d op overload, added with
-:func:`register` by the handler modules of :mod:`qstate.ops` (and by the
-owners of qstate's own ops); :class:`~qstate.QuantizedState` reads it and
-this module imports nothing of qstate. An op with no entry raises
+:func:`register` by the handler modules of :mod:`qstate.ops`;
+:class:`~qstate.QuantizedState` reads it and this module imports nothing of
+qstate. qstate's own ops (``qstate::*``) are not in it: each registers its
+rule for the subclass with ``torch.library.register_torch_dispatch`` next
+to its kernels, and the dispatcher runs that rule in place of
+``__torch_dispatch__``. An op with no entry raises
 ``NotImplementedError`` naming the op and its argument types: there is no
 silent dequantize fallback. Ops that *read* a state as numbers (``mul``,
 ``sqrt``, ...) are registered explicitly and return plain tensors.

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from .._library import LIBRARY, copy_with_draws_
+from .._library import LIBRARY
 from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
 from .._op_table import register
@@ -61,14 +61,18 @@ def _copy(func, args, kwargs):
     return dst.copy_(src.dequantize(torch.float32))
 
 
-# the optimizers' op-by-op updates writing a state whose stochastic rounding draws by position
-@register(copy_with_draws_)
-def _copy_with_draws(func, args, kwargs):
+# the optimizers' op-by-op updates writing a state whose stochastic rounding draws by position: the
+# op's rule for QuantizedState (``torch.library.register_torch_dispatch``, in place of the subclass's
+# ``__torch_dispatch__``)
+def _copy_with_draws(cls, func, types, args, kwargs):
     dst, src, draws = args
     if isinstance(dst, QuantizedState):
         copy_into_state(dst, src, draws)
     else:  # a plain dst, a quantized src: the src's values
         dst.copy_(src.dequantize(torch.float32))
+
+
+torch.library.register_torch_dispatch("qstate::copy_with_draws_", QuantizedState, _copy_with_draws, lib=LIBRARY)
 
 
 def _copy_with_draws_plain(self: torch.Tensor, src: torch.Tensor, draws: torch.Tensor) -> None:

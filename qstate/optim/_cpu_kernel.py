@@ -32,7 +32,7 @@ optimizer seeds from ``(seed, group, step)``, and the parameter's position in
 the call) and each element's flat index (csrc: ``param_draw``), then applies
 :mod:`qstate.optim._rounding`'s rule. A key depends on the position only, not
 on whether the update runs now (:func:`run`) or is queued
-(:meth:`._prepared.PendingCalls.add`), so batching never changes the draws and a resumed
+(:meth:`._fused_op.PendingCalls.add`), so batching never changes the draws and a resumed
 run continues the same stream. The inductor kernel draws the same bits from the same key
 (:func:`qstate.optim._rounding.position_draws`), and so does the op-by-op path (plain tensors and
 DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
@@ -43,7 +43,7 @@ off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
 (the loaded kernel, the states' ``qstate_t`` slots, the layout) that later
-steps reuse through :func:`._prepared.prepared` after a few identity and
+steps reuse through :func:`._prepared.registered_call` after a few identity and
 pointer checks (validity and registry: :mod:`._prepared`), instead of
 re-deriving the kind and re-checking every state (0.02-0.03 ms per parameter
 when the interpreter's caches are warm, several times that after the
@@ -478,8 +478,8 @@ class PreparedCall(PreparedUpdate):
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-        return _ENABLED[0] and super().valid(kind, p, g, states)
+    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        return _ENABLED[0] and super().valid(kind, p, g, states, start)
 
     @property
     def group(self) -> tuple:

@@ -13,12 +13,14 @@ Kernels, as registrations of the op (the dispatcher picks by device):
 * ``CompositeExplicitAutograd`` (the default: CUDA, any other device): :func:`update_default`,
   inductor's compiled kernel of each kind (:func:`~qstate.optim._kernels.run_compiled`);
 * Meta/fake: shapes only (:mod:`qstate._library`);
-* :class:`~qstate.QuantizedState` states: the subclass sees the op first; its handler calls the
-  parameters' device's kernel (:data:`KERNELS`), which reads and writes the states' codes and scales.
+* :class:`~qstate.QuantizedState` states: the op's rule for the subclass
+  (``torch.library.register_torch_dispatch``, which the dispatcher runs in place of its
+  ``__torch_dispatch__``) calls the parameters' device's kernel (:data:`KERNELS`), which reads and
+  writes the states' codes and scales.
 
 Each runs a parameter's prepared call where it has a valid one (:mod:`._prepared`: the C or
-inductor kernel and its arguments from an earlier step, a cache private to the kernels; queued,
-one group per kernel), else its fused kernel when the fused kernels take the tensors
+inductor kernel and its arguments from an earlier step, a cache private to the kernels; queued in a
+:class:`PendingCalls`, one group per kernel), else its fused kernel when the fused kernels take the tensors
 (:func:`~qstate.optim._kernels.fusable`), else the rule's math op by op (:func:`update_eagerly`,
 also the reference the kernels' tests compare with); calls built by :func:`eager_call` (small
 plain states) always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
@@ -37,14 +39,15 @@ from torch import Tensor
 
 from .. import _splitmix64 as splitmix64
 from .._library import LIBRARY, fused_update, states_per_param
-from ..ops import register
-from . import _cpu_kernel, _prepared
+from .._state import QuantizedState
+from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_compiled
-from ._prepared import PendingCalls
+from ._prepared import PreparedUpdate, registered_call
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "call_key", "eager_call", "fused_kind", "fused_update", "KERNELS", "update_cpu", "update_default"]
+__all__ = ["FusedCall", "PendingCalls", "call_key", "eager_call", "fused_kind", "fused_update", "KERNELS", "update_cpu",
+           "update_default"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class FusedCall:
 
     @property
     def prepared_kind(self) -> tuple:
-        """The kind a prepared call is checked against (``_prepared.prepared``)."""
+        """The kind a prepared call is checked against (:meth:`~._prepared.PreparedUpdate.valid`)."""
         return (self.rule, self.flags, self.stochastic_round)
 
 
@@ -142,19 +145,54 @@ def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], sta
     if sr_keys is not None and (len(sr_keys) != len(params) or starts is None or len(starts) != len(params)):
         raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
                          f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
-    pending = PendingCalls()  # shards whose fused-kernel call is prepared: one group per kernel
+    pending = PendingCalls(hyper)  # shards whose fused-kernel call is prepared: one group per kernel
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
         key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
         start = 0 if sr_keys is None else _start_value(starts[i])
-        found = None if call.eager else _prepared.prepared(call.prepared_kind, param, grad, shard_states, start)
+        found = None if call.eager else registered_call(param, shard_states)
+        if found is not None and not found.valid(call.prepared_kind, param, grad, shard_states, start):
+            found = None
         if found is not None:
             sr_key = (_cpu_kernel.param_key() if key is None else key) if found.sr else 0
-            pending.add(found, param, grad, None, hyper, key=sr_key)
+            pending.add(found, param, grad, sr_key)
         else:
             pending.before(param)
             _update_shard(fused_kernel, param, grad, shard_states, hyper, call, key, start)
     pending.run()
+
+
+class PendingCalls:
+    """The valid prepared calls of one op call, queued and run together per call group
+    (:meth:`~._prepared.PreparedUpdate.run_group`) with the call's scalars ``hyper``; a parameter
+    queued twice runs twice, in order."""
+
+    def __init__(self, hyper: Tensor):
+        self.hyper = hyper
+        self.groups: dict[tuple, tuple[type, list, list, list, list]] = {}
+        self.params: set[int] = set()
+
+    def before(self, p: Tensor) -> None:
+        """Run the queue if it updates ``p``: an update of ``p`` outside it comes next."""
+        if id(p) in self.params:
+            self.run()
+
+    def add(self, call: PreparedUpdate, p: Tensor, g: Tensor, key: int = 0) -> None:
+        """Queue ``call`` of ``p`` with ``g`` and, for a stochastically rounding call, its ``key``
+        (:class:`._cpu_kernel.ParamKeys`)."""
+        self.before(p)
+        self.params.add(id(p))
+        _, calls, ps, gs, keys = self.groups.setdefault(call.group, (type(call), [], [], [], []))
+        calls.append(call)
+        ps.append(p)
+        gs.append(g)
+        keys.append(key)
+
+    def run(self) -> None:
+        for kind, calls, ps, gs, keys in self.groups.values():
+            kind.run_group(calls, ps, gs, self.hyper, keys)
+        self.groups.clear()
+        self.params.clear()
 
 
 #: ``starts`` element -> its value: a shard's start is read once (no device sync per step)
@@ -192,12 +230,15 @@ for _key, _kernel in KERNELS.items():
     LIBRARY.impl("fused_update", _kernel, _key)
 
 
-# QuantizedState states (the subclass sees the op first): the kernels read and write their codes and
-# scales themselves, so the handler calls the kernel of the parameters' device with the states as they
-# are (below the Python key the dispatcher would pick the same; redispatching there would leave Python
-# dispatch off inside the kernels, which the states' own ops and inductor's tracing need)
-@register(fused_update)
-def _fused_update_on_states(func, args, kwargs):
+# QuantizedState states: the op's rule for the subclass (``torch.library.register_torch_dispatch``: the
+# dispatcher runs it where it would run ``QuantizedState.__torch_dispatch__``). The kernels read and write
+# the states' codes and scales themselves, so the rule calls the kernel of the parameters' device with
+# the states as they are (below the Python key the dispatcher would pick the same; redispatching there
+# would leave Python dispatch off inside the kernels, which the states' own ops and inductor's tracing need)
+def _fused_update_on_states(cls, func, types, args, kwargs):
     params = args[0]
     on_cpu = bool(params) and params[0].device.type == "cpu"
     (KERNELS["CPU"] if on_cpu else KERNELS["CompositeExplicitAutograd"])(*args, **kwargs)
+
+
+torch.library.register_torch_dispatch("qstate::fused_update", QuantizedState, _fused_update_on_states, lib=LIBRARY)

@@ -463,8 +463,8 @@ class PreparedKernelCall(PreparedUpdate):
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(kind, p, g, states)
+    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(kind, p, g, states, start)
 
     @property
     def group(self) -> tuple:

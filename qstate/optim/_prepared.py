@@ -5,7 +5,7 @@ the C kernel a :class:`._cpu_kernel.PreparedCall` (the loaded kernel, the
 states' ``qstate_t`` slots), the compiled inductor kernel a
 :class:`._kernels.PreparedKernelCall` (the compiled function and its
 arguments as aliases of the parameter's and states' storage). A later step
-finds it with :func:`prepared` and runs it after identity and pointer checks
+finds it with :func:`registered_call` and runs it after identity and pointer checks
 (:meth:`PreparedUpdate.valid`), instead of re-deriving the kind, re-checking
 every state and re-building the arguments.
 
@@ -14,18 +14,22 @@ state objects and their buffers and maps, and the gradient's dtype, shape,
 contiguity and device are those it was prepared for; any change runs the
 full path, which prepares a new call. A call keeps the kind it was built for
 (rule, static flags, stochastic rounding: checked against the caller's) and,
-for a DTensor shard, the shard's first flat index in the full tensor.
+for a DTensor shard, the shard's first flat index in the full tensor; a
+subclass adds that its kernel is the one the full path would pick now
+(``cpu_kernel_enabled``).
 
 Registry: calls are keyed by the parameter and its first state (two
 optimizers over one parameter keep one each). It holds weak references only;
 an entry leaves it with its parameter or any of its states
 (:func:`prepared_calls`, :func:`clear_prepared_calls`).
 
-Running: :class:`PendingCalls` collects a step's valid calls and runs them
-per kernel (:meth:`PreparedUpdate.run_group`): the C kernel's as one C call
-over all of them, the inductor kernel's under one entry of its compile
-settings, those of small parameters as one kernel call per batch over
-concatenated copies (:meth:`._kernels.PreparedKernelCall.run_group`).
+Running: a call runs alone (``call(p, g, hyper, key)``) or with the other
+valid calls of its :attr:`~PreparedUpdate.group` in one step
+(:meth:`PreparedUpdate.run_group`): the C kernel's as one C call over all of
+them, the inductor kernel's under one entry of its compile settings, those of
+small parameters as one kernel call per batch over concatenated copies
+(:meth:`._kernels.PreparedKernelCall.run_group`). This module holds the
+calls; it never runs one.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Optional, Sequence, Union
 
 from torch import Tensor
 
-__all__ = ["PreparedUpdate", "PendingCalls", "prepared", "prepared_calls", "clear_prepared_calls"]
+__all__ = ["PreparedUpdate", "registered_call", "prepared_calls", "clear_prepared_calls"]
 
 Hyper = Union[Tensor, Sequence[float]]
 
@@ -89,9 +93,11 @@ class PreparedUpdate:
         """Enter this call in the registry (replacing its parameter's earlier one)."""
         _PREPARED[self.key] = self
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would."""
-        if kind != self.kind or len(states) != len(self.states):
+    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would (``kind``: the
+        rule's name, its sorted static flags and stochastic rounding; ``start``: ``p``'s first flat index
+        in its full tensor)."""
+        if kind != self.kind or start != self.start or len(states) != len(self.states):
             return False
         for ref, s in zip(self.states, states):
             if ref() is not s:
@@ -125,44 +131,6 @@ class PreparedUpdate:
             call(p, g, hyper, key)
 
 
-class PendingCalls:
-    """Valid prepared calls collected over a step and run together (:meth:`PreparedUpdate.run_group`), per
-    call group and caller's group (the step: the scalars); a parameter added twice runs twice, in order."""
-
-    def __init__(self):
-        self.groups: dict[tuple, tuple[type, Hyper, list, list, list, list]] = {}
-        self.params: set[int] = set()
-
-    def before(self, p: Tensor) -> None:
-        """Run the queue if it updates ``p``: an update of ``p`` outside it comes next."""
-        if id(p) in self.params:
-            self.run()
-
-    def add(self, call: PreparedUpdate, p: Tensor, g: Tensor, group, hyper: Hyper,
-            owner: Optional[Tensor] = None, key: int = 0) -> None:
-        """Queue ``call`` of ``p`` with ``g``, the scalars ``hyper`` of the caller's ``group`` and, for a
-        stochastically rounding call, its ``key`` (:class:`._cpu_kernel.ParamKeys`).
-
-        ``owner``: the tensor the caller updates through ``p`` (a DTensor parameter, ``p`` its shard),
-        whose updates outside the queue (:meth:`before`) must also wait for this one."""
-        self.before(p)
-        self.params.add(id(p))
-        if owner is not None:
-            self.before(owner)
-            self.params.add(id(owner))
-        _, _, calls, ps, gs, keys = self.groups.setdefault((call.group, group), (type(call), hyper, [], [], [], []))
-        calls.append(call)
-        ps.append(p)
-        gs.append(g)
-        keys.append(key)
-
-    def run(self) -> None:
-        for kind, hyper, calls, ps, gs, keys in self.groups.values():
-            kind.run_group(calls, ps, gs, hyper, keys)
-        self.groups.clear()
-        self.params.clear()
-
-
 #: (id(parameter), id(first state)) -> PreparedUpdate (weakly held tensors; an entry leaves with any of them)
 _PREPARED: dict[tuple[int, int], PreparedUpdate] = {}
 
@@ -180,16 +148,11 @@ def _forget(registry: dict, key: tuple[int, int], call: weakref.ref, _ref: weakr
         del registry[key]
 
 
-def prepared(kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
-             start: Optional[int] = None) -> Optional[PreparedUpdate]:
-    """``p``'s prepared call, if it is still valid for this update (``kind``: the rule's name, its sorted
-    static flags and stochastic rounding; ``start``, where given: the shard's first flat index), else
-    ``None`` (take the full path)."""
+def registered_call(p: Tensor, states: Sequence[Tensor]) -> Optional[PreparedUpdate]:
+    """The call registered for ``p`` and its ``states``, valid or not (the caller asks
+    :meth:`PreparedUpdate.valid` before running it), else ``None``."""
     call = _PREPARED.get(_key(p, states))
-    if call is not None and call.param() is p and call.valid(kind, p, g, states):
-        if start is None or call.start == start:
-            return call
-    return None
+    return call if call is not None and call.param() is p else None
 
 
 def prepared_calls() -> int:

@@ -8,7 +8,7 @@ loading a checkpoint: no prepared call is found for them).
 
 Whether a step reused its calls at all (or batched them) is not observable through the public API: the
 tests that check it, and the registry's lifetime and batching rules, are the last section's and reach
-the private modules ``qstate.optim._prepared`` and ``_kernels``.
+the private modules ``qstate.optim._prepared``, ``_fused_op`` and ``_kernels``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import qstate
 
 from qstate.optim import AdamW, cpu_kernel_enabled
-from qstate.optim import _kernels, _prepared  # private: the last section's, and :func:`reused`
+from qstate.optim import _fused_op, _kernels, _prepared  # private: the last section's, and :func:`reused`
 
 
 def _model() -> list[torch.nn.Parameter]:
@@ -85,15 +85,15 @@ def kernel(request) -> str:
 @pytest.fixture
 def reused(monkeypatch) -> list:
     """Per run of queued prepared calls (one op call queues its valid calls, then runs them in groups,
-    one per kernel kind), the parameters of each group, in order (private: ``_prepared.PendingCalls``)."""
+    one per kernel kind), the parameters of each group, in order (private: ``_fused_op.PendingCalls``)."""
     runs: list = []
-    run = _prepared.PendingCalls.run
+    run = _fused_op.PendingCalls.run
 
     def recording(self):
         runs.append([list(ps) for *_, ps, _, _ in self.groups.values()])
         run(self)
 
-    monkeypatch.setattr(_prepared.PendingCalls, "run", recording)
+    monkeypatch.setattr(_fused_op.PendingCalls, "run", recording)
     return runs
 
 
@@ -329,6 +329,12 @@ def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch
 # behaviour they serve (the full path's bits) is checked above.
 
 
+def _valid_call(kind: tuple, p, states) -> bool:
+    """Whether ``p`` (a whole parameter) has a prepared call valid for ``kind`` with ``states``."""
+    call = _prepared.registered_call(p, states)
+    return call is not None and call.valid(kind, p, p.grad, states, 0)
+
+
 def test_calls_leave_with_their_parameters_and_states(kernel):
     gc.collect()
     _prepared.clear_prepared_calls()
@@ -340,9 +346,9 @@ def test_calls_leave_with_their_parameters_and_states(kernel):
     p = ps[0]
     kind = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
     states = [opt.state[p][n] for n in ("exp_avg", "exp_avg_sq")]
-    assert _prepared.prepared(kind, p, p.grad, states) is not None
+    assert _valid_call(kind, p, states)
     with cpu_kernel_enabled(kernel != "c"):  # the other kernel would run this update: the call is not valid
-        assert _prepared.prepared(kind, p, p.grad, states) is None
+        assert not _valid_call(kind, p, states)
     opt.state[p]["exp_avg_sq"] = states.pop().clone()  # a state other than the first dies: its call goes
     gc.collect()
     assert _prepared.prepared_calls() == 2 * per_model - 1
@@ -378,9 +384,9 @@ def test_a_call_leaves_its_registry_without_the_modules_globals(monkeypatch):
     assert raised == [] and len(registry) == 0
 
 
-def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queue():
-    # PendingCalls.add(..., owner=X) (a DTensor parameter X queued through its shard's call): an update
-    # of X outside the queue (before(X)) runs the queue first; one of another tensor does not
+def test_a_queued_call_runs_before_an_update_of_its_parameter_outside_the_queue():
+    # one op call may list a parameter twice: its second update (outside the queue, before(p)) must see
+    # the first; an update of another tensor does not run the queue
     ran = []
 
     class Call:
@@ -388,17 +394,18 @@ def test_a_queued_shard_call_runs_before_an_update_of_its_owner_outside_the_queu
 
         @staticmethod
         def run_group(calls, ps, gs, hyper, keys):
-            ran.append(len(calls))
+            ran.append((len(calls), hyper))
 
-    pending = _prepared.PendingCalls()
-    shard, owner, other = torch.zeros(1), torch.zeros(1), torch.zeros(1)
-    pending.add(Call(), shard, shard, 0, (1.0,), owner=owner)
+    hyper = torch.ones(1)
+    pending = _fused_op.PendingCalls(hyper)
+    p, other = torch.zeros(1), torch.zeros(1)
+    pending.add(Call(), p, p)
     pending.before(other)
     assert ran == []
-    pending.before(owner)
-    assert ran == [1]
-    pending.before(owner)  # nothing queued any more
-    assert ran == [1]
+    pending.before(p)
+    assert ran == [(1, hyper)]
+    pending.before(p)  # nothing queued any more
+    assert ran == [(1, hyper)]
 
 
 def test_clearing_the_calls_of_some_parameters_keeps_the_others():
