@@ -189,8 +189,8 @@ class PendingCalls:
         keys.append(key)
 
     def run(self) -> None:
-        for kind, calls, ps, gs, keys in self.groups.values():
-            kind.run_group(calls, ps, gs, self.hyper, keys)
+        for cls, calls, ps, gs, keys in self.groups.values():
+            cls.run_group(calls, ps, gs, self.hyper, keys)
         self.groups.clear()
         self.params.clear()
 
