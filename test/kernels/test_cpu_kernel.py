@@ -474,37 +474,32 @@ print("unchanged:", all(torch.equal(x, y) for x, y in zip([p, buf.codes, buf.sca
 """
 
 
+def _run_failing_step(**env: str) -> str:
+    """The output of ``_FAILING_COMPILER`` in a fresh interpreter with ``env`` added and an empty cache."""
+    import os
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-c", _FAILING_COMPILER], cwd=_ROOT, capture_output=True, text=True,
+                              env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tmp, **env), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 class TestErrors(expecttest.TestCase):
     def test_a_failing_compiler_raises_and_changes_nothing(self):
-        # a fresh interpreter with CC=false (the kernel's compiler) and an empty cache
-        import os
-        import sys
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, CC="false", TORCHINDUCTOR_CACHE_DIR=tmp)
-            proc = subprocess.run([sys.executable, "-c", _FAILING_COMPILER], cwd=_ROOT, env=env, capture_output=True,
-                                  text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        self.assertExpectedInline(proc.stdout, """\
+        # CC=false: the kernel's compiler fails
+        self.assertExpectedInline(_run_failing_step(CC="false"), """\
 qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with false failed:
 unchanged: True
 """)
 
-
     def test_extra_cflags_reach_the_compiler(self):
         # $QSTATE_CPU_KERNEL_CFLAGS is appended to the build's flags: an option the compiler rejects fails the
         # build (the step raises, nothing changes), and valid extra flags build another library of the kind
-        import os
-        import sys
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, QSTATE_CPU_KERNEL_CFLAGS="-fqstate-no-such-option", TORCHINDUCTOR_CACHE_DIR=tmp)
-            proc = subprocess.run([sys.executable, "-c", _FAILING_COMPILER], cwd=_ROOT, env=env, capture_output=True,
-                                  text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        self.assertExpectedInline(proc.stdout.replace(_cpu_kernel._compiler(), "CC"), """\
+        out = _run_failing_step(QSTATE_CPU_KERNEL_CFLAGS="-fqstate-no-such-option")
+        self.assertExpectedInline(out.replace(_cpu_kernel._compiler(), "CC"), """\
 qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with CC failed:
 unchanged: True
 """)
