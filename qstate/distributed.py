@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._api import quantize, zeros_like
-from ._dtensor import is_dtensor, is_quantized_state, local_of, rounds_stochastically, state_kind
+from ._dtensor import is_dtensor, is_quantized_state, local_of, state_kind
 from ._state import QuantizedState
 
 __all__ = ["is_dtensor", "local_of", "local_nbytes", "is_quantized_state", "state_kind", "quantize_dtensor",
