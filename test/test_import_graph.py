@@ -8,18 +8,19 @@ import pathlib
 
 import qstate
 
-_PACKAGE = pathlib.Path(qstate.__file__).parent
+PACKAGE = pathlib.Path(qstate.__file__).resolve().parent
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = ("qstate",) + path.relative_to(_PACKAGE).with_suffix("").parts
+def module_name(path: pathlib.Path) -> str:
+    """``PACKAGE/optim/_step.py`` -> ``qstate.optim._step`` (``test_step_calls.py`` names frames by it too)."""
+    parts = ("qstate",) + path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
     """The qstate modules ``path`` imports anywhere in it (``from pkg import mod`` counts ``pkg.mod``
     where that is a module, else ``pkg``)."""
-    name = _module_name(path)
+    name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -61,8 +62,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_module_reaches_itself_through_its_imports() -> None:
-    files = sorted(_PACKAGE.rglob("*.py"))
-    modules = {_module_name(f) for f in files}
-    graph = {_module_name(f): _imports(f, modules) for f in files}
+    files = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(f) for f in files}
+    graph = {module_name(f): _imports(f, modules) for f in files}
     assert graph["qstate._state"] == {"qstate._op_table", "qstate.formats"}  # the walk sees imports
     assert _cycle(graph) == []

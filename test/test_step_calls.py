@@ -17,12 +17,10 @@ from typing import Optional
 import pytest
 import torch
 
-import qstate
 from qstate.optim import AdamW
 
 from dtensor_harness import WORLD_SIZE, ensure_fake_process_group
-
-_PACKAGE = pathlib.Path(qstate.__file__).resolve().parent
+from test_import_graph import PACKAGE, module_name
 
 
 class _Calls:
@@ -37,10 +35,7 @@ class _Calls:
         name = self._names.get(code.co_filename, "")
         if name == "":
             path = pathlib.Path(code.co_filename).resolve()
-            name = None
-            if path.suffix == ".py" and _PACKAGE in path.parents:
-                parts = ("qstate",) + path.relative_to(_PACKAGE).with_suffix("").parts
-                name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            name = module_name(path) if path.suffix == ".py" and PACKAGE in path.parents else None
             self._names[code.co_filename] = name
         return name
 

@@ -324,9 +324,9 @@ def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The registry of prepared calls, its queue and its batches: private (``_prepared``, ``_kernels``). No public
-# call observes how many calls it holds, when they leave it, or how calls are grouped and batched; the
-# behaviour they serve (the full path's bits) is checked above.
+# The registry of prepared calls, its queue and its batches: private (``_prepared``, ``_fused_op``,
+# ``_kernels``). No public call observes how many calls it holds, when they leave it, or how calls are
+# grouped and batched; the behaviour they serve (the full path's bits) is checked above.
 
 
 def _valid_call(kind: tuple, p, states) -> bool:
