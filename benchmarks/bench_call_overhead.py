@@ -8,7 +8,7 @@ block space) steps with:
 * ``qstate <fmt> compiled``: qstate AdamW, ``compile=True``; after the first
   step every parameter's update is a prepared call (``qstate/optim/_prepared.py``);
 * ``qstate <fmt> compiled, full path``: the same, with the prepared calls
-  forgotten before each step (each update re-derives its kind, re-checks its
+  forgotten before each step (each update re-derives its kernel spec, re-checks its
   states and rebuilds the kernel's arguments: what every step did before a
   kernel prepared its calls);
 * ``qstate <fmt> compiled, one call each`` (inductor kernel only): prepared

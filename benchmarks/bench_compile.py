@@ -2,8 +2,8 @@
 
 The model has 6 distinct weight shapes that every 8-bit optimizer here
 quantizes (>= 4096 elements, a multiple of 256; one 4-D conv weight) and 6
-distinct 1-D shapes with plain states. qstate compiles one kernel per kernel
-kind whatever the shapes (on CPU a C kernel: one for the quantized states, one for the
+distinct 1-D shapes with plain states. qstate compiles one kernel per
+kernel spec whatever the shapes (on CPU a C kernel: one for the quantized states, one for the
 plain ones);
 torchao's AdamW8bit compiles one graph per shape. The "bf16 SR params" candidates
 run the same model in bfloat16 with ``bf16_stochastic_round=True`` (on CPU the C
@@ -25,8 +25,8 @@ import torch
 
 from _common import (RESULTS_DIR, cold_compile_cache, environment, parse_list, save_json, target_line,
                      third_party_adamw8bit, timed)
-from qstate.optim import AdamW, kernel_kinds
-from qstate.optim._cpu_kernel import built_kinds
+from qstate.optim import AdamW, kernel_specs
+from qstate.optim._cpu_kernel import built_specs
 
 QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")
 #: suffix of the candidates with bfloat16 parameters rounded stochastically
@@ -71,8 +71,8 @@ def run_one(name: str) -> dict:
     return {"first_step_s": first, "second_step_ms": 1e3 * second, "graphs": graphs,
             "params": len(params), "numel": sum(p.numel() for p in params),
             "shapes": len({tuple(p.shape) for p in params}),
-            "kernel_kinds": kernel_kinds() if ours else [],
-            "c_kernels": built_kinds() if ours else []}
+            "kernel_specs": kernel_specs() if ours else [],
+            "c_kernels": built_specs() if ours else []}
 
 
 def run_fresh(name: str) -> dict:
@@ -115,8 +115,8 @@ def main() -> None:
         print(f"{name:28s} {r['graphs']:6d} {len(r['c_kernels']):9d} {r['first_step_s']:12.2f} "
               f"{r['second_step_ms']:14.2f}")
     for name, r in rows.items():
-        if r["kernel_kinds"]:
-            print(f"{name} kernel kinds:", *r["kernel_kinds"], sep="\n  ")
+        if r["kernel_specs"]:
+            print(f"{name} kernel specs:", *r["kernel_specs"], sep="\n  ")
     ao, q8 = rows.get(TORCHAO), rows.get("qstate 8bit")
     target = target_line("target: qstate 8bit first step / torchao AdamW8bit first step",
                          ao and q8 and q8["first_step_s"] / ao["first_step_s"], 1 / 3)

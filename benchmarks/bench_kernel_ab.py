@@ -6,10 +6,10 @@ call by call in one process (the order alternating each round) see the same
 load, which resolves differences of 1-2%.
 
 ``--dump FILE`` writes the configured source (the ``#define`` block of one
-kernel kind, then ``update_kernel.c``) of AdamW's kind for ``--format``; edit
+kernel spec, then ``update_kernel.c``) of AdamW's spec for ``--format``; edit
 a copy, then compare the two. Both must keep the kernel's ``qstate_t`` layout,
 and a source whose layout ``#define``s (states, bits, block sizes, dtypes)
-are not those of ``--format``'s kind is refused: it would write past the
+are not those of ``--format``'s spec is refused: it would write past the
 states' buffers.
 The data is one ``[n / 1024, 1024]`` weight after two optimizer steps; each
 call updates it and its states in place (so the kernels see the same,
@@ -19,7 +19,7 @@ slowly drifting, values).
     python benchmarks/bench_kernel_ab.py /tmp/a.c /tmp/b.c [--numel 1M] [--threads 2] [--calls 200]
 
 ``--phases`` times, interleaved the same way, the kernel of ``--format``'s
-kind against two variants of its own source that drop work, and torch's
+spec against two versions of its own source that drop work, and torch's
 fused AdamW step on the same weight: without the states' encodes (new scales
 written, codes not), and without the decodes as well (the states read as
 constants). Both variants compute wrong states; they only measure where the
@@ -47,7 +47,7 @@ from qstate.optim import _cpu_kernel as ck
 
 
 def _setup(fmt: str, numel: int):
-    """The weight, its gradient, its states and the kernel kind after two steps of AdamW."""
+    """The weight, its gradient, its states and the kernel spec after two steps of AdamW."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(max(1, numel // 1024), 1024))
     w.grad = torch.randn_like(w)
@@ -66,18 +66,18 @@ def _setup(fmt: str, numel: int):
     finally:
         ck.run = run
     if "spec" not in seen:
-        raise SystemExit(f"--format {fmt}: its kind does not run the C kernel on this machine")
+        raise SystemExit(f"--format {fmt}: its kernel spec does not run the C kernel on this machine")
     states = [opt.state[w][name] for name in ("exp_avg", "exp_avg_sq")]
     return w, states, seen["spec"]
 
 
 #: the ``#define``s that fix the data layout a kernel reads and writes (a source configured for another
-#: kind would write past the states' buffers)
+#: spec would write past the states' buffers)
 _LAYOUT = re.compile(r"#define (NSTATES|PARAM_BF16|GRAD_BF16|S\d+_(?:BITS|BS|PLAIN|BF16)) (\S+)")
 
 
 def _check_layout(source: Path, config: str, fmt: str) -> None:
-    """Exit unless ``source`` has the layout ``#define``s of ``config`` (the data's kind)."""
+    """Exit unless ``source`` has the layout ``#define``s of ``config`` (the data's spec)."""
     want, got = dict(_LAYOUT.findall(config)), dict(_LAYOUT.findall(source.read_text()))
     wrong = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != v}
     if wrong:

@@ -6,13 +6,13 @@ and its rule for :class:`~qstate.QuantizedState` arguments
 owns its math, and its DTensor sharding strategy by :mod:`qstate.dtensor_rules`,
 so that package can name the op without importing the optimizers.
 
-* ``fused_update(params, grads, states, hyper, kind)``: one optimizer update of
+* ``fused_update(params, grads, states, hyper, variant)``: one optimizer update of
   each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._fused_op`),
   as torch's ``_fused_adamw_`` takes lists: one call (one DTensor dispatch) per
   step and parameter group, not per parameter. ``states`` is flat, the same
   number per parameter (:func:`states_per_param`): ``params[i]``'s are
   ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
-  (shared: one step count), ``kind`` names the rule, its static flags,
+  (shared: one step count), ``variant`` names the rule, its static flags,
   stochastic rounding and compilation. For a call with stochastic rounding (of
   a bf16 parameter or of a state; fused kernels or op by op), ``sr_keys`` gives
   each parameter's rounding key (int64, the 64-bit key's two's complement; a
@@ -57,7 +57,7 @@ __all__ = ["LIBRARY", "copy_with_draws_", "flat_index_like", "fused_update", "st
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
-LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str kind, "
+LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, Tensor hyper, str variant, "
                "int[]? sr_keys=None, Tensor[]? starts=None) -> ()")
 
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
@@ -67,7 +67,7 @@ LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
 
 # fake (meta) kernels, for tracing and FakeTensorMode: shapes and dtypes only
 @torch.library.register_fake("qstate::fused_update", lib=LIBRARY)
-def _fused_update_fake(params, grads, states, hyper, kind, sr_keys=None, starts=None) -> None:
+def _fused_update_fake(params, grads, states, hyper, variant, sr_keys=None, starts=None) -> None:
     states_per_param(params, grads, states)
 
 

@@ -188,10 +188,10 @@ class QuantizedState(Tensor):
         return sum(t.numel() * t.element_size() for t in parts)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
-        kind = "signed" if self.signed else "unsigned"
+        signedness = "signed" if self.signed else "unsigned"
         rounding = "" if self.rounding == "nearest" else f", rounding='{self.rounding}'"
         return (
-            f"QuantizedState(format='{self.format}', {kind}, block_size={self.block_size}{rounding}, "
+            f"QuantizedState(format='{self.format}', {signedness}, block_size={self.block_size}{rounding}, "
             f"shape={tuple(self.shape)}, dtype={self.dtype}, device='{self.device}')"
         )
 
@@ -212,9 +212,9 @@ class QuantizedState(Tensor):
 
 def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:
     """:meth:`QuantizedState.kind` of a state with these properties (e.g. an expected one)."""
-    kind = "signed" if signed else "unsigned"
+    signedness = "signed" if signed else "unsigned"
     suffix = "" if rounding == "nearest" else f" rounding={rounding}"
-    return f"{format} {kind} block_size={block_size}{suffix}"
+    return f"{format} {signedness} block_size={block_size}{suffix}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -154,7 +154,7 @@ def _specs(arg) -> tuple:
 
 
 def fused_update_strategy(op_schema: OpSchema) -> StrategyType:
-    """``qstate::fused_update(params, grads, states, hyper, kind, sr_keys=None, starts=None)``: every
+    """``qstate::fused_update(params, grads, states, hyper, variant, sr_keys=None, starts=None)``: every
     tensor keeps its layout. Each ``grads[i]`` and state must share ``params[i]``'s shape, mesh and
     placements, none ``Partial``; ``hyper`` is replicated; ``starts[i]`` has ``params[i]``'s mesh and
     placements, each of them ``Shard(0)`` or ``Replicate`` (else :class:`LayoutMismatch`)."""
@@ -187,7 +187,7 @@ def fused_update_strategy(op_schema: OpSchema) -> StrategyType:
 QSTATE_OP_RULES: tuple[Rule, ...] = (
     Rule(
         op=fused_update,
-        kind="strategy",
+        form="strategy",
         impl=fused_update_strategy,
         reason="qstate's own fused optimizer update: shard by shard, every tensor in its own layout, no collectives",
         schema_info=RuntimeSchemaInfo(needs_pytree=True),

@@ -204,7 +204,7 @@ RULES: tuple[Rule, ...] = (
     tuple(
         Rule(
             op=op,
-            kind="strategy",
+            form="strategy",
             impl=fill_strategy,
             needed=_lacks_fix(op),
             reason="fill_ on Partial: result is Replicate (torch kept Partial: n x value)",
@@ -214,7 +214,7 @@ RULES: tuple[Rule, ...] = (
     + tuple(
         Rule(
             op=op,
-            kind="strategy",
+            form="strategy",
             impl=copy_strategy,
             needed=_lacks_fix(op),
             reason=(
@@ -227,7 +227,7 @@ RULES: tuple[Rule, ...] = (
     + tuple(
         Rule(
             op=op,
-            kind="single_dim",
+            form="single_dim",
             impl=integer_exact_additive_rules,
             needed=_lacks_fix(op),
             reason=(

@@ -498,14 +498,14 @@ _REASON_PLACEMENT = "random op had no strategy: Partial -> Replicate, shards sta
 
 #: torch's random ops on DTensors (opt-in: :func:`qstate.dtensor_rules.install`)
 RULES: tuple[Rule, ...] = tuple(
-    Rule(op=op, kind="handler", impl=handler, reason=_REASON_VALUES,
+    Rule(op=op, form="handler", impl=handler, reason=_REASON_VALUES,
          needed=_draws_identical_shards_on_cpu)
     for ops, handler in _HANDLERS
     for op in ops
 ) + tuple(
     Rule(
         op=op,
-        kind="strategy",
+        form="strategy",
         impl=random_like_strategy,
         schema_info=RuntimeSchemaInfo(static_kwargkey=["dtype"]) if "like" in str(op) else None,
         reason=_REASON_PLACEMENT,
@@ -519,7 +519,7 @@ RULES: tuple[Rule, ...] = tuple(
 QSTATE_OP_RULES: tuple[Rule, ...] = (
     Rule(
         op=flat_index_like,
-        kind="handler",
+        form="handler",
         impl=flat_index_like_handler,
         reason="qstate's flat_index_like: each shard's indices in the full tensor, from its place "
                "(stochastic rounding's draws on any layout; no collectives)",

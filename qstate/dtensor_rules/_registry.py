@@ -42,7 +42,7 @@ from qstate.dtensor_rules import _compat
 
 __all__ = ["InstalledOverride", "Registry", "Rule"]
 
-RuleKind = Literal["strategy", "single_dim", "handler"]
+RuleForm = Literal["strategy", "single_dim", "handler"]
 
 # table names, as attributes of ShardingPropagator (or OpDispatcher for handlers)
 _STRATEGY = "op_strategy_funcs"
@@ -62,7 +62,7 @@ def _always() -> bool:
 class Rule:
     """One override for one op overload.
 
-    ``kind`` says which table ``impl`` goes to:
+    ``form`` says which table ``impl`` goes to:
 
     * ``"strategy"``: ``impl(op_schema) -> OpStrategy`` into ``op_strategy_funcs``
       (and the op is removed from the single-dim table, which would win);
@@ -73,7 +73,7 @@ class Rule:
     """
 
     op: OpOverload
-    kind: RuleKind
+    form: RuleForm
     impl: Callable[..., Any]
     reason: str
     schema_info: Any = None  # RuntimeSchemaInfo | None
@@ -134,14 +134,14 @@ class Registry:
 
     def _apply(self, rule: Rule) -> None:
         op = rule.op
-        if rule.kind == "strategy":
+        if rule.form == "strategy":
             # single-dim strategies take precedence over op strategies
             self._write(_SINGLE_DIM, op, _MISSING, rule)
             self._write(_SINGLE_DIM_SCHEMA_INFO, op, _MISSING, rule)
             self._write(_STRATEGY, op, rule.impl, rule)
             if rule.schema_info is not None:
                 self._write(_SCHEMA_INFO, op, rule.schema_info, rule)
-        elif rule.kind == "single_dim":
+        elif rule.form == "single_dim":
             table = self._table(_SINGLE_DIM)
             original = None if table is None else table.get(op)
             if original is None:
@@ -149,10 +149,10 @@ class Registry:
             self._write(_SINGLE_DIM, op, rule.impl(original), rule)
             if rule.schema_info is not None:
                 self._write(_SINGLE_DIM_SCHEMA_INFO, op, rule.schema_info, rule)
-        elif rule.kind == "handler":
+        elif rule.form == "handler":
             self._write(_HANDLERS, op, rule.impl, rule)
         else:  # pragma: no cover - guarded by the Literal type
-            raise ValueError(f"unknown rule kind {rule.kind!r}")
+            raise ValueError(f"unknown rule form {rule.form!r}")
 
     def _restore_all(self) -> None:
         for (name, op), ours in reversed(list(self._written.items())):

@@ -99,14 +99,14 @@ def copy_with_draws_strategy(op_schema: OpSchema) -> StrategyType:
 QSTATE_OP_RULES: tuple[Rule, ...] = (
     Rule(
         op=stochastic_round_bf16,
-        kind="strategy",
+        form="strategy",
         impl=stochastic_round_strategy,
         reason="qstate's stochastic_round_bf16: elementwise, shard by shard (Partial x reduced first); "
                "draws follow x",
     ),
     Rule(
         op=copy_with_draws_,
-        kind="strategy",
+        form="strategy",
         impl=copy_with_draws_strategy,
         reason="qstate's copy_with_draws_: elementwise and in place, shard by shard; src and draws follow self",
     ),

@@ -52,7 +52,7 @@ def _taken_for_in_place(op: torch._ops.OpOverload) -> Callable[[], bool]:
 
 
 RULES: tuple[Rule, ...] = tuple(
-    Rule(op=op, kind="handler", impl=shift_handler, needed=_taken_for_in_place(op),
+    Rule(op=op, form="handler", impl=shift_handler, needed=_taken_for_in_place(op),
          reason=f"torch returns the input unchanged (a name ending in '_' taken for in place): run {target}")
     for op, target in SHIFT_OPS.items()
 )

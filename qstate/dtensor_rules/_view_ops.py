@@ -221,7 +221,7 @@ def torch_lacks_view_dtype_fix() -> bool:
 RULES: tuple[Rule, ...] = tuple(
     Rule(
         op=op,
-        kind="strategy",
+        form="strategy",
         impl=view_dtype_strategy,
         schema_info=VIEW_DTYPE_SCHEMA_INFO,
         needed=torch_lacks_view_dtype_fix,

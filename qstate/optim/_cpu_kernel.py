@@ -9,7 +9,7 @@ update into a float buffer, then absmax and encode per block. Plain states
 take it too: one call per parameter (about 0.01 ms) instead of inductor's
 kernel call (about 0.15 ms) or, for biases and norms, ~15 eager ops.
 
-Build: one shared object per kernel kind (:class:`~qstate.optim._kernels.KernelSpec`,
+Build: one shared object per kernel spec (:class:`~qstate.optim._kernels.KernelSpec`,
 shapes never enter), compiled on first use with the C compiler inductor uses
 (``$CC`` or ``cc``; gcc or clang) and ``_CFLAGS`` (``-O3 -march=native
 -fopenmp``; ``-ffp-contract=off``: no fused multiply-adds), then the flags of ``$QSTATE_CPU_KERNEL_CFLAGS``
@@ -18,7 +18,7 @@ compiler, flags and CPU, and loaded with ``ctypes``.
 A compiler failure raises (with the compiler's message); nothing falls back
 silently.
 
-Which kinds it takes (:func:`supports`): CPU, every state a ``QuantizedState``
+Which specs it takes (:func:`supports`): CPU, every state a ``QuantizedState``
 of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
 (stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), or every
 state a plain float32/bfloat16 tensor (read and written in place), a float32 or
@@ -38,14 +38,14 @@ run continues the same stream. The inductor kernel draws the same bits from the 
 DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
 tensor (:func:`run`'s ``start`` for a DTensor shard). States rounded stochastically draw from the same key
 and places (the state's :func:`qstate.formats.state_key`, then :func:`qstate.formats.position_hash32`), so a
-kind that rounds any state stochastically takes keys and starts too (``KernelSpec.keyed``). ``cpu_kernel_enabled(False)`` turns the C kernel
+spec that rounds any state stochastically takes keys and starts too (``KernelSpec.keyed``). ``cpu_kernel_enabled(False)`` turns the C kernel
 off for a block of code (tests and benchmarks compare the two kernels).
 
 Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
 (the loaded kernel, the states' ``qstate_t`` slots, the layout) that later
 steps reuse through :func:`._prepared.registered_call` after a few identity and
 pointer checks (validity and registry: :mod:`._prepared`), instead of
-re-deriving the kind and re-checking every state (0.02-0.03 ms per parameter
+re-deriving the spec and re-checking every state (0.02-0.03 ms per parameter
 when the interpreter's caches are warm, several times that after the
 optimizer's data swept them: 0.18-0.2 ms of a 1M-parameter 8bit AdamW step
 timed between other optimizers' steps). Valid calls of one kernel in a step
@@ -80,25 +80,25 @@ from ._prepared import PreparedUpdate
 from ._rules import RULES
 from ._state_kind import StateKind
 
-__all__ = ["supports", "run", "built_kinds", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
+__all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
            "param_key"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
 _FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
-#: largest lcm of a kind's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
+#: largest lcm of a spec's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
 _MAX_UNIT = 4096
-#: the row segment (work item) of a kind whose states are all plain
+#: the row segment (work item) of a spec whose states are all plain
 _PLAIN_UNIT = 256
-#: the row segment of a kind with an ``encode8_64`` state: the smallest multiple of the block sizes'
+#: the row segment of a spec with an ``encode8_64`` state: the smallest multiple of the block sizes'
 #: lcm at least this long, so that the encode runs over 1024 values per state in a row: 0.9x the
-#: kernel's time with 256-value segments (bench_kernel_ab, 8bit AdamW; 4bit and fp8 kinds, whose
+#: kernel's time with 256-value segments (bench_kernel_ab, 8bit AdamW; 4bit and fp8 specs, whose
 #: encodes were scalar then, were 1.00-1.03x with longer segments and keep the lcm)
 _MIN_ENC8_UNIT = 1024
-#: parameter / gradient elements a kind with an ``encode8_64`` state prefetches ahead of the group it
+#: parameter / gradient elements a spec with an ``encode8_64`` state prefetches ahead of the group it
 #: updates (rows are contiguous: they lie ahead in memory; a prefetch past the end is dropped). Beyond
 #: the caches the hardware prefetcher alone falls behind while a segment encodes: 0.90-0.94x the
-#: kernel's time at 16M-64M elements, neutral at 1M (bench_kernel_ab, 8bit AdamW). Other kinds take
+#: kernel's time at 16M-64M elements, neutral at 1M (bench_kernel_ab, 8bit AdamW). Other specs take
 #: none: fp8 was 1.13x and 4bit 1.02x with it; prefetching the codes too, or a whole segment at
 #: once, did not help.
 _ENC8_PREFETCH_AHEAD = 8192
@@ -202,7 +202,7 @@ _ENABLED = [True]
 
 @contextlib.contextmanager
 def cpu_kernel_enabled(enabled: bool):
-    """Within the block, the C kernel takes the kinds it supports (``True``) or none (``False``)."""
+    """Within the block, the C kernel takes the specs it supports (``True``) or none (``False``)."""
     before = _ENABLED[0]
     _ENABLED[0] = bool(enabled)
     try:
@@ -215,7 +215,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
-    """Whether the C kernel takes the kinds it supports now (:func:`cpu_kernel_enabled`)."""
+    """Whether the C kernel takes the specs it supports now (:func:`cpu_kernel_enabled`)."""
     return _ENABLED[0]
 
 
@@ -226,15 +226,15 @@ def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
     key = (spec, grad_dtype)
     verdict = _SUPPORTED.get(key)
     if verdict is None:
-        verdict = _SUPPORTED[key] = _supports_kind(spec, grad_dtype)
+        verdict = _SUPPORTED[key] = _supports_spec(spec, grad_dtype)
     return verdict
 
 
-#: (kernel kind, gradient dtype) -> whether the C kernel takes it (a function of the kind: asked every step)
+#: (kernel spec, gradient dtype) -> whether the C kernel takes it (a function of the spec: asked every step)
 _SUPPORTED: dict = {}
 
 
-def _supports_kind(spec, grad_dtype: torch.dtype) -> bool:
+def _supports_spec(spec, grad_dtype: torch.dtype) -> bool:
     if spec.rule not in _RULE_MACROS or not spec.states:
         return False
     if spec.param_dtype not in _DTYPES or grad_dtype not in _DTYPES:
@@ -345,7 +345,7 @@ def _cflags() -> tuple[str, ...]:
     """The flags a kernel is built with: :data:`_CFLAGS`, then those of ``$QSTATE_CPU_KERNEL_CFLAGS`` (split
     as a shell splits them).
 
-    The variable is read when a kind is built, that is at its first use in a process (a process keeps
+    The variable is read when a spec's kernel is built, that is at its first use in a process (a process keeps
     the kernels it loaded); its flags are part of the build cache's key, so builds with other flags
     never share a cached library. E.g. ``-mno-avx512f`` builds without the AVX-512 paths, ``-march=x86-64``
     (after ``-march=native``) the portable loops only; every build gives the same results bit for bit."""
@@ -382,15 +382,15 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
 
 
 def _tag(spec, grad_dtype: torch.dtype) -> str:
-    """The kind's tag, plus the gradient dtype where it is not the parameter's."""
+    """The spec's tag, plus the gradient dtype where it is not the parameter's."""
     return spec.tag() + (f"_grad_{str(grad_dtype).split('.')[-1]}" if grad_dtype != spec.param_dtype else "")
 
 
-#: (kernel kind, gradient dtype) -> (loaded library, each state's table pointers)
+#: (kernel spec, gradient dtype) -> (loaded library, each state's table pointers)
 _LIBS: dict = {}
 
 
-def built_kinds() -> list[str]:
+def built_specs() -> list[str]:
     """Tags of the C kernels loaded in this process."""
     return sorted(_tag(*key) for key in _LIBS)
 
@@ -446,9 +446,9 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     and layouts), and the :class:`PreparedCall` of this update for the next steps.
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
-    ``key``: the stochastic-rounding key of a kind that draws (``KernelSpec.keyed``: ``PARAM_SR`` or a state
+    ``key``: the stochastic-rounding key of a spec that draws (``KernelSpec.keyed``: ``PARAM_SR`` or a state
     rounded stochastically; :class:`ParamKeys`; None: a :func:`param_key` drawn now). ``start``: the flat
-    index of ``p``'s first element in the full tensor it is a shard of (0: ``p`` is whole); such a kind's
+    index of ``p``'s first element in the full tensor it is a shard of (0: ``p`` is whole); such a spec's
     draws depend on each element's index in the full tensor, so shards of one parameter draw as the whole
     parameter would. The prepared call keeps it
     (a shard's place is fixed with its local tensor).
@@ -472,14 +472,14 @@ class PreparedCall(PreparedUpdate):
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], dll: ctypes.CDLL, slots: ctypes.Array,
                  rows: int, row_len: int, start: int = 0):
         super().__init__(spec, p, g, states, start)
-        #: the kernel for this parameter alone, and for several of its kind at once (run_prepared)
+        #: the kernel for this parameter alone, and for several calls of its spec at once (run_prepared)
         self.fn, self.many = dll.qstate_update, dll.qstate_update_many
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
-        return _ENABLED[0] and super().valid(kind, p, g, states, start)
+    def valid(self, rule_key: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        return _ENABLED[0] and super().valid(rule_key, p, g, states, start)
 
     @property
     def group(self) -> tuple:

@@ -1,6 +1,6 @@
 """Kernels of ``qstate::fused_update``: the fused update as an operator DTensor can dispatch.
 
-``_step.apply_update`` calls the op, one call per (device, kind) per step (with bf16
+``_step.apply_update`` calls the op, one call per (device, variant) per step (with bf16
 stochastic rounding where the shards run a fused kernel, with ``sr_keys`` and, on DTensors,
 ``starts``, see :mod:`qstate._library`). On DTensors, DTensor's sharding strategy for it
 (:mod:`qstate.dtensor_rules._fused_ops`) keeps every tensor in its layout (each gradient and
@@ -9,9 +9,9 @@ the shards, so the step code never unwraps a DTensor and issues no collectives.
 
 Kernels, as registrations of the op (the dispatcher picks by device):
 
-* ``CPU``: :func:`update_cpu`, the C kernel for the kinds it takes, inductor's for the others;
+* ``CPU``: :func:`update_cpu`, the C kernel for the kernel specs it takes, inductor's for the others;
 * ``CompositeExplicitAutograd`` (the default: CUDA, any other device): :func:`update_default`,
-  inductor's compiled kernel of each kind (:func:`~qstate.optim._kernels.run_compiled`);
+  inductor's compiled kernel of each kernel spec (:func:`~qstate.optim._kernels.run_compiled`);
 * Meta/fake: shapes only (:mod:`qstate._library`);
 * :class:`~qstate.QuantizedState` states: the op's rule for the subclass
   (``torch.library.register_torch_dispatch``, which the dispatcher runs in place of its
@@ -22,9 +22,9 @@ Each runs a parameter's prepared call where it has a valid one (:mod:`._prepared
 inductor kernel and its arguments from an earlier step, a cache private to the kernels; queued in a
 :class:`PendingCalls`, one group per kernel), else its fused kernel when the fused kernels take the tensors
 (:func:`~qstate.optim._kernels.fusable`), else the rule's math op by op (:func:`update_eagerly`,
-also the reference the kernels' tests compare with); calls built by :func:`eager_call` (small
-plain states) always run the math op by op. ``kind`` is the key of a :class:`FusedCall`
-registered by :func:`call_key` (rule, static flags, stochastic rounding, eager).
+also the reference the kernels' tests compare with); calls built by :func:`eager_variant` (small
+plain states) always run the math op by op. ``variant`` is the name of an :class:`UpdateVariant`
+registered by :func:`variant_name` (rule, static flags, stochastic rounding, eager).
 """
 
 from __future__ import annotations
@@ -46,12 +46,16 @@ from ._prepared import PreparedUpdate, registered_call
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["FusedCall", "PendingCalls", "call_key", "eager_call", "fused_kind", "fused_update", "KERNELS", "update_cpu",
+__all__ = ["UpdateVariant", "PendingCalls", "variant_name", "eager_variant", "fused_variant", "fused_update", "KERNELS", "update_cpu",
            "update_default"]
 
 
 @dataclass(frozen=True)
-class FusedCall:
+class UpdateVariant:
+    """What one call of the op computes, besides its tensors and scalars: the registered rule, its static
+    flags and bf16 stochastic rounding of the parameters; the op's ``variant`` argument is its name
+    (:func:`variant_name`)."""
+
     rule: str
     flags: tuple  # sorted (name, value) pairs
     stochastic_round: bool
@@ -62,65 +66,67 @@ class FusedCall:
     tensor_scalars: tuple = ()
 
     @property
-    def prepared_kind(self) -> tuple:
-        """The kind a prepared call is checked against (:meth:`~._prepared.PreparedUpdate.valid`)."""
+    def rule_key(self) -> tuple:
+        """``(rule, flags, stochastic_round)``, which a prepared call is checked against
+        (:meth:`~._prepared.PreparedUpdate.valid`)."""
         return (self.rule, self.flags, self.stochastic_round)
 
 
-#: ``kind`` string -> call and call -> ``kind``; one entry per distinct optimizer configuration in the process
-_CALLS: dict[str, FusedCall] = {}
-_KEYS: dict[FusedCall, str] = {}
+#: name -> variant and variant -> name (the op's ``variant`` argument); one entry per distinct optimizer
+#: configuration in the process
+_VARIANTS: dict[str, UpdateVariant] = {}
+_NAMES: dict[UpdateVariant, str] = {}
 
 
-def call_key(call: FusedCall) -> str:
-    """The ``kind`` argument naming ``call`` (registered on first use)."""
-    key = _KEYS.get(call)
-    if key is None:
-        key = _KEYS[call] = repr(call)
-        _CALLS.setdefault(key, call)
-    return key
+def variant_name(variant: UpdateVariant) -> str:
+    """The op's ``variant`` argument naming ``variant`` (registered on first use)."""
+    name = _NAMES.get(variant)
+    if name is None:
+        name = _NAMES[variant] = repr(variant)
+        _VARIANTS.setdefault(name, variant)
+    return name
 
 
 @functools.cache
-def fused_kind(rule: str, flags: tuple, stochastic_round: bool) -> str:
-    """The ``kind`` argument of ``torch.ops.qstate.fused_update`` for the registered rule ``rule`` with its
-    static ``flags`` (sorted ``(name, value)`` pairs) and bf16 stochastic rounding of the parameters
+def fused_variant(rule: str, flags: tuple, stochastic_round: bool) -> str:
+    """The ``variant`` argument of ``torch.ops.qstate.fused_update`` for the registered rule ``rule`` with
+    its static ``flags`` (sorted ``(name, value)`` pairs) and bf16 stochastic rounding of the parameters
     on/off; the op's ``hyper`` is then the rule's ``scalar_names`` in order, float32.
-    (``call_key(FusedCall(rule, flags, stochastic_round))``, memoized: asked every step.)"""
-    return call_key(FusedCall(rule, flags, stochastic_round))
+    (``variant_name(UpdateVariant(rule, flags, stochastic_round))``, memoized: asked every step.)"""
+    return variant_name(UpdateVariant(rule, flags, stochastic_round))
 
 
-def eager_call(rule: UpdateRule, flags: tuple, stochastic_round: bool, h: dict) -> tuple[Tensor, FusedCall]:
-    """``(hyper, call)`` running the eager math on each shard with the eager scalars ``h``."""
+def eager_variant(rule: UpdateRule, flags: tuple, stochastic_round: bool, h: dict) -> tuple[Tensor, UpdateVariant]:
+    """``(hyper, variant)`` running the eager math on each shard with the eager scalars ``h``."""
     hyper = torch.tensor([float(h[n]) for n in rule.scalar_names], dtype=torch.float64)
     tensors = tuple(n for n in rule.scalar_names if isinstance(h[n], Tensor))
-    return hyper, FusedCall(rule.name, flags, stochastic_round, eager=True, tensor_scalars=tensors)
+    return hyper, UpdateVariant(rule.name, flags, stochastic_round, eager=True, tensor_scalars=tensors)
 
 
-def _eager_scalars(rule: UpdateRule, call: FusedCall, hyper: Tensor, device: torch.device) -> dict:
-    """The inverse of :func:`eager_call`: the eager scalars, floats and float32 tensors as given."""
+def _eager_scalars(rule: UpdateRule, update: UpdateVariant, hyper: Tensor, device: torch.device) -> dict:
+    """The inverse of :func:`eager_variant`: the eager scalars, floats and float32 tensors as given."""
     h = dict(zip(rule.scalar_names, hyper.tolist()))
-    for name in call.tensor_scalars:
+    for name in update.tensor_scalars:
         h[name] = torch.tensor(h[name], dtype=torch.float32, device=device)
     return h
 
 
 def update_default(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
-                   kind: str, sr_keys: Optional[Sequence[int]] = None,
+                   variant: str, sr_keys: Optional[Sequence[int]] = None,
                    starts: Optional[Sequence[Tensor]] = None) -> None:
     """The op's default kernel (``CompositeExplicitAutograd``: CUDA and every device without a kernel of
-    its own): inductor's compiled kernel of each fusable parameter's kind, the rule's math op by op for
+    its own): inductor's compiled kernel of each fusable parameter's spec, the rule's math op by op for
     the others."""
-    _update(run_compiled, params, grads, states, hyper, kind, sr_keys, starts)
+    _update(run_compiled, params, grads, states, hyper, variant, sr_keys, starts)
 
 
 def update_cpu(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor], hyper: Tensor,
-               kind: str, sr_keys: Optional[Sequence[int]] = None,
+               variant: str, sr_keys: Optional[Sequence[int]] = None,
                starts: Optional[Sequence[Tensor]] = None) -> None:
-    """The op's CPU kernel: the C kernel for the kinds it takes (:func:`._cpu_kernel.supports`; the same
+    """The op's CPU kernel: the C kernel for the kernel specs it takes (:func:`._cpu_kernel.supports`; the same
     bits as inductor's), inductor's compiled kernel for the other fusable ones, the rule's math op by op
     for the rest."""
-    _update(_run_on_cpu, params, grads, states, hyper, kind, sr_keys, starts)
+    _update(_run_on_cpu, params, grads, states, hyper, variant, sr_keys, starts)
 
 
 def _run_on_cpu(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
@@ -132,7 +138,7 @@ def _run_on_cpu(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor]
 
 
 def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[Tensor],
-            hyper: Tensor, kind: str, sr_keys: Optional[Sequence[int]], starts: Optional[Sequence[Tensor]]) -> None:
+            hyper: Tensor, variant: str, sr_keys: Optional[Sequence[int]], starts: Optional[Sequence[Tensor]]) -> None:
     """Each parameter's update (see :mod:`qstate._library` for the lists' layout, ``sr_keys`` and
     ``starts``): its prepared call where it has a valid one, else ``fused_kernel`` where the fused kernels
     take its tensors, else the rule's math op by op.
@@ -141,7 +147,7 @@ def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], sta
     with stochastic rounding) follow its key and each element's place in the full tensor, in the fused
     kernels and op by op alike; a parameter that rounds nothing stochastically reads no key."""
     n = states_per_param(params, grads, states)
-    call = _CALLS[kind]
+    update = _VARIANTS[variant]
     if sr_keys is not None and (len(sr_keys) != len(params) or starts is None or len(starts) != len(params)):
         raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
                          f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
@@ -150,15 +156,15 @@ def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], sta
         shard_states = list(states[i * n:(i + 1) * n])
         key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
         start = 0 if sr_keys is None else _start_value(starts[i])
-        found = None if call.eager else registered_call(param, shard_states)
-        if found is not None and not found.valid(call.prepared_kind, param, grad, shard_states, start):
+        found = None if update.eager else registered_call(param, shard_states)
+        if found is not None and not found.valid(update.rule_key, param, grad, shard_states, start):
             found = None
         if found is not None:
             sr_key = (_cpu_kernel.param_key() if key is None else key) if found.sr else 0
             pending.add(found, param, grad, sr_key)
         else:
             pending.before(param)
-            _update_shard(fused_kernel, param, grad, shard_states, hyper, call, key, start)
+            _update_shard(fused_kernel, param, grad, shard_states, hyper, update, key, start)
     pending.run()
 
 
@@ -210,18 +216,18 @@ def _start_value(start: Tensor) -> int:
 
 
 def _update_shard(fused_kernel, param: Tensor, grad: Tensor, states: list[Tensor], hyper: Tensor,
-                  call: FusedCall, key: Optional[int], start: int) -> None:
-    if not call.eager and fusable(param, grad, states):
-        spec = KernelSpec.of(call.rule, call.flags, param, states, call.stochastic_round)
+                  update: UpdateVariant, key: Optional[int], start: int) -> None:
+    if not update.eager and fusable(param, grad, states):
+        spec = KernelSpec.of(update.rule, update.flags, param, states, update.stochastic_round)
         fused_kernel(spec, param, grad, states, hyper, key, start)
         return
-    rule = RULES[call.rule]
-    if call.eager:
-        h = _eager_scalars(rule, call, hyper, param.device)
+    rule = RULES[update.rule]
+    if update.eager:
+        h = _eager_scalars(rule, update, hyper, param.device)
     else:
         h = {name: hyper[i] for i, name in enumerate(rule.scalar_names)}
     # op by op, a key draws as the fused kernels do: by each element's place in the full tensor
-    update_eagerly(rule, dict(call.flags), param, grad, states, h, call.stochastic_round, key, start)
+    update_eagerly(rule, dict(update.flags), param, grad, states, h, update.stochastic_round, key, start)
 
 
 #: the op's kernel per dispatch key: the dispatcher picks for plain tensors

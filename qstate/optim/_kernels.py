@@ -1,12 +1,12 @@
-"""Fused, compiled update kernels: one graph per kernel *kind*, never per shape.
+"""Fused, compiled update kernels: one graph per kernel *spec*, never per shape.
 
-A kernel kind (:class:`KernelSpec`) is the optimizer rule and its static
+A kernel spec (:class:`KernelSpec`) is the optimizer rule and its static
 flags, the parameter dtype, bf16 stochastic rounding of the parameter on/off,
 and per state a :class:`~qstate.optim._state_kind.StateKind` (plain: its
 dtype; quantized: format, signed, block size and its own rounding,
 ``"nearest"`` or ``"stochastic"``, see :mod:`qstate.formats._rounding`);
-shapes are not part of it. Each kind is compiled once (``fullgraph=True, dynamic=True``) from a
-function with its own code object, so kinds never share dynamo's cache
+shapes are not part of it. Each spec is compiled once (``fullgraph=True, dynamic=True``) from a
+function with its own code object, so specs never share dynamo's cache
 entries or recompile limit.
 
 Shape independence
@@ -19,7 +19,7 @@ Shape independence
   ones), so dynamo sees neither the parameter's rank nor a view base.
 * Sizes are symbolic and traced with ``backed_size_oblivious`` (sizes 0/1 are
   not specialized) and without duck shaping (equal sizes, e.g. a square
-  weight, get no equality guard). Python ints and floats of the kind (block
+  weight, get no equality guard). Python ints and floats of the spec (block
   sizes, table constants, ``max_code``) are specialized: static loop bounds
   and shifts, so inductor vectorizes the loops.
 * Quantized states run in *block space* (:class:`_BlockSpace`): every tensor
@@ -31,21 +31,21 @@ Shape independence
   broadcast, the absmax a reduction over the last dim, and inductor emits one
   loop over block rows: absmax of the recomputed new states, then encode and
   parameter update in the same iteration (the new states are recomputed, not
-  stored: ``_RECOMPUTE_OPTIONS``; kinds with heavier encodes store them). The new
+  stored: ``_RECOMPUTE_OPTIONS``; specs with heavier encodes store them). The new
   scales are returned (the old ones are still read in that loop) and copied by
   :func:`run_compiled`.
 * Every block row's update reads only that row and the scalars, so the
-  calls of one kind may run as one over concatenated copies of their block
-  rows (plain kinds: of their elements), the parameter as a single row of
+  calls of one spec may run as one over concatenated copies of their block
+  rows (plain specs: of their elements), the parameter as a single row of
   them: the same graph, the same bits (:meth:`PreparedKernelCall._run_batch`,
   for small parameters: :data:`_BATCH_LIMITS`).
 
-On CPU, the kinds :func:`._cpu_kernel.supports` takes (states all 8bit /
+On CPU, the specs :func:`._cpu_kernel.supports` takes (states all 8bit /
 4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
 hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
 bit (a stochastically rounded bfloat16 parameter's too: both kernels hash a
 key and each element's index, :func:`._rounding.position_draws`), one build
-per kind, about 5x faster than inductor's code for quantized states: the
+per spec, about 5x faster than inductor's code for quantized states: the
 op's CPU kernel (``_fused_op.update_cpu``) chooses; :func:`run_compiled` runs
 inductor's.
 
@@ -75,11 +75,11 @@ from ._rules import RULES, UpdateRule
 from ._state_kind import StateKind
 from ._rounding import position_draws, store_param
 
-__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_kinds", "run_compiled"]
+__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_specs", "run_compiled"]
 
 
 class KernelSpec(NamedTuple):
-    """A kernel kind: what one compiled graph (or C kernel) is built for, never a shape. A named tuple:
+    """A kernel spec: what one compiled graph (or C kernel) is built for, never a shape. A named tuple:
     it keys the kernel caches, and is built and looked up on every step that cannot reuse a call."""
 
     rule: str
@@ -100,14 +100,14 @@ class KernelSpec(NamedTuple):
 
     @property
     def keyed(self) -> bool:
-        """Whether the kind draws by position under a key (:mod:`qstate.formats._rounding`): it writes a
+        """Whether the spec draws by position under a key (:mod:`qstate.formats._rounding`): it writes a
         bfloat16 parameter or a state with stochastic rounding. Its kernels then take the key and each
         element's place (:func:`run_compiled`)."""
         return self.param_sr or any(s.rounding == "stochastic" for s in self.states)
 
     @property
     def param_sr(self) -> bool:
-        """Whether the kind writes its bfloat16 parameter with stochastic rounding: its kernels then take
+        """Whether the spec writes its bfloat16 parameter with stochastic rounding: its kernels then take
         the draws' key and place (:func:`run_compiled`)."""
         return self.stochastic_round and self.param_dtype == torch.bfloat16
 
@@ -133,7 +133,7 @@ def _plain_body(spec: KernelSpec, rule: UpdateRule, flags: dict) -> Callable:
     names = rule.scalar_names
 
     def kernel(p: Tensor, g: Tensor, hyper: Tensor, place: Tensor, *states: Tensor) -> None:
-        # place (param_sr kinds; else unused): int64 [key, first flat index, row length]
+        # place (param_sr specs; else unused): int64 [key, first flat index, row length]
         h = {n: hyper[i] for i, n in enumerate(names)}
         p_new, new = rule.math(p.float(), g.float(), [s.float() for s in states], h, flags)
         for s, value in zip(states, new):
@@ -186,7 +186,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         # block space (see _BlockSpace): p [R, NB, unit]; g [N = R * NB, unit]; limit [N]: valid
         # columns of each block row (the rest is padding); per state codes [N, unit * bits / 8] and
         # scale [N, unit // block_size]. Views with explicit sizes tie every size to (R, NB).
-        # place, keys (keyed kinds; else unused): place int64 [N, 2], each block row's index into keys
+        # place, keys (keyed specs; else unused): place int64 [N, 2], each block row's index into keys
         # (int64 [K]: draw keys, one per parameter; a batch's rows are several parameters') and the flat
         # index of its first element in its full tensor
         rows, nb = p.shape[0], p.shape[1]
@@ -209,7 +209,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
         p_new, new = rule.math(p.float(), g.float(), prev, h, flags)
 
         new_scales = []
-        index = None  # each block row element's flat index in its full tensor (keyed kinds)
+        index = None  # each block row element's flat index in its full tensor (keyed specs)
         for i, (fmt, codec, bs, rounding, value, (codes, scale, tables)) in enumerate(zip(
                 fmts, codecs, block_sizes, roundings, new, states)):
             # reduced as [R, NB, ., bs]: a loop nest of its own, apart from the [N, unit] element loops
@@ -241,15 +241,15 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
 _STATE_KEY_SALTS = tuple(splitmix64.as_int64(state_key(0, i)) for i in range(8))
 
 
-# ------------------------------------------------------------------ compile once per kind
+# ------------------------------------------------------------------ compile once per spec
 _KERNELS: dict[tuple, Callable] = {}
 
 _INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
-#: added for kinds whose states all encode by one table lookup (8-bit and fp8, rounded to
+#: added for specs whose states all encode by one table lookup (8-bit and fp8, rounded to
 #: nearest): recompute decoded states in every loop that needs them instead of storing fp32
 #: copies. Where an encode is heavier (a packed 4-bit byte encodes two elements, stochastic
 #: rounding draws per element), recomputing it in every loop makes inductor's CPU code
-#: generation take minutes instead of seconds: for 4-bit kinds with no faster step, for
+#: generation take minutes instead of seconds: for 4-bit specs with no faster step, for
 #: stochastic 8-bit ones with a step 1.36x faster on CPU, where the C kernel runs them
 #: anyway (benchmarks/RESULTS.md)
 _RECOMPUTE_OPTIONS = {
@@ -260,7 +260,7 @@ _RECOMPUTE_OPTIONS = {
 
 
 def _inductor_options(spec: KernelSpec) -> dict:
-    """The kind's inductor options: :data:`_RECOMPUTE_OPTIONS` where every state encodes cheaply."""
+    """The spec's inductor options: :data:`_RECOMPUTE_OPTIONS` where every state encodes cheaply."""
     if spec.quantized and any(get_format(s.format).bits == 4 or s.rounding == "stochastic" for s in spec.states):
         return _INDUCTOR_OPTIONS
     return {**_INDUCTOR_OPTIONS, **_RECOMPUTE_OPTIONS}
@@ -294,7 +294,7 @@ def get_kernel(spec: KernelSpec, device: torch.device) -> Callable:
     return fn
 
 
-def kernel_kinds() -> list[str]:
+def kernel_specs() -> list[str]:
     """Tags of the kernels built so far in this process (one compiled graph each)."""
     return sorted({k[0].tag() for k in _KERNELS})
 
@@ -312,11 +312,11 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
         return False
     if not states:
         return True
-    kind = type(states[0])
-    if kind is Tensor:
+    state_type = type(states[0])
+    if state_type is Tensor:
         return all(type(s) is Tensor and s.device == device and s.shape == shape and s.is_contiguous()
                    for s in states)
-    if kind is not QuantizedState:
+    if state_type is not QuantizedState:
         return False
     layout = (states[0].rows, states[0].row_len)
     if layout[0] * layout[1] != p.numel():
@@ -333,7 +333,7 @@ def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
 
 
 _LIMITS: dict[tuple, Tensor] = {}
-#: per device, the ``place`` argument of kinds without parameter stochastic rounding (unread)
+#: per device, the ``place`` argument of specs without parameter stochastic rounding (unread)
 _NO_PLACE: dict[torch.device, Tensor] = {}
 
 
@@ -410,21 +410,21 @@ class PreparedKernelCall(PreparedUpdate):
     """One parameter's compiled-kernel update (:func:`run_compiled`), ready to run again (:mod:`._prepared`).
 
     Holds the compiled kernel and its arguments but the gradient, the scalars and the stochastic-rounding
-    keys (a plain kind's place, which holds its key): the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
+    keys (a plain spec's place, which holds its key): the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
     or for rows that are not a whole number of block units zero-padded copies, refreshed from the tensors
     before each reuse and written back after each call), the block limits and, for quantized states, the
     scales the kernel's new scales are copied into. A call keeps that storage alive until it leaves the
     registry (with its parameter or a state, or replaced by its parameter's next full path, which runs
     once a tensor it holds is no longer the parameter's or a state's: :meth:`PreparedUpdate.valid`).
-    A step's calls of one kind run together (:meth:`run_group`), those of small parameters in batches.
+    A step's calls of one spec run together (:meth:`run_group`), those of small parameters in batches.
     """
 
     __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
                  "rows_n", "data_at", "scale_at", "data_rows")
 
-    # the kernel's arguments: ``(param, grad, hyper, place, *states)`` for plain kinds, ``(param, grad,
+    # the kernel's arguments: ``(param, grad, hyper, place, *states)`` for plain specs, ``(param, grad,
     # hyper, block limits, place, keys, *states)`` for quantized ones; a call fills the gradient, the
-    # scalars and a ``param_sr`` kind's key (plain kinds: in its place)
+    # scalars and a ``param_sr`` spec's key (plain specs: in its place)
     _GRAD_AT, _HYPER_AT, _PLAIN_PLACE_AT, _LIMITS_AT, _PLACE_AT, _KEYS_AT = 1, 2, 3, 3, 4, 5
 
     def __init__(self, spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
@@ -432,7 +432,7 @@ class PreparedKernelCall(PreparedUpdate):
         self.spec, self.fn = spec, get_kernel(spec, p.device)
         self.space: Optional[_BlockSpace] = None
         self.scales: list[Tensor] = []
-        unread = _no_place(p.device)  # the place and keys of kinds without parameter stochastic rounding
+        unread = _no_place(p.device)  # the place and keys of specs without parameter stochastic rounding
         self.ran = False  # padded copies are fresh before the first call
         if spec.quantized:
             q0 = states[0]
@@ -463,8 +463,8 @@ class PreparedKernelCall(PreparedUpdate):
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
-        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(kind, p, g, states, start)
+    def valid(self, rule_key: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(rule_key, p, g, states, start)
 
     @property
     def group(self) -> tuple:
@@ -502,7 +502,7 @@ class PreparedKernelCall(PreparedUpdate):
         elif self.sr:
             args[self._KEYS_AT] = _int64_on([_as_key(key)], self.device)
         out = self.fn(*args)
-        for scale, new_scale in zip(self.scales, out or ()):  # quantized kinds return the new scales
+        for scale, new_scale in zip(self.scales, out or ()):  # quantized specs return the new scales
             scale.copy_(new_scale)
         self._finish()
         # writes went through aliases: bump the version counters autograd checks
@@ -511,11 +511,11 @@ class PreparedKernelCall(PreparedUpdate):
     @staticmethod
     def _run_batch(calls: Sequence["PreparedKernelCall"], params: Sequence[Tensor], grads: Sequence[Tensor],
                    hyper: Tensor, keys: Sequence[int]) -> None:
-        """Calls of one kind as one kernel call over concatenated copies of their tensors' block-space rows
-        (1-D elements for plain kinds), copied back after it: what the calls give one by one, bit for bit
+        """Calls of one spec as one kernel call over concatenated copies of their tensors' block-space rows
+        (1-D elements for plain specs), copied back after it: what the calls give one by one, bit for bit
         (every block row's update reads that row, its place and the scalars only), for one call's Python
-        and dynamo cost instead of one per parameter. A ``param_sr`` kind's rows draw under their own
-        parameter's key (``keys``) by their place in it (quantized kinds only: :func:`_batches`)."""
+        and dynamo cost instead of one per parameter. A ``param_sr`` spec's rows draw under their own
+        parameter's key (``keys``) by their place in it (quantized specs only: :func:`_batches`)."""
         first = calls[0]
         sizes = [c.rows_n for c in calls]
         args = list(first.args)  # the shared ones: the tables and the (unread) place
@@ -541,7 +541,7 @@ class PreparedKernelCall(PreparedUpdate):
         out = first.fn(*args)
         for rows, buffer in copies:
             torch._foreach_copy_(rows, buffer.split(sizes))
-        for k, new_scale in enumerate(out or ()):  # quantized kinds return the new scales
+        for k, new_scale in enumerate(out or ()):  # quantized specs return the new scales
             torch._foreach_copy_([c.scales[k] for c in calls], new_scale.split(sizes))
         for c in calls:
             c._finish()
@@ -569,7 +569,7 @@ class PreparedKernelCall(PreparedUpdate):
                 self.states[i]().codes[:, -1] &= 0x0F
 
     def _plain_place(self, key: int) -> Tensor:
-        """A plain kind's ``place`` on the device, ``[key, start, row_len]``: what the draws hash
+        """A plain spec's ``place`` on the device, ``[key, start, row_len]``: what the draws hash
         (:func:`._rounding.position_draws`)."""
         return _int64_on([_as_key(key), self.start, self.row_len], self.device)
 
@@ -583,11 +583,11 @@ _BATCH_LIMITS: dict[str, tuple[int, int]] = {"cpu": (1 << 16, 1 << 20), "cuda": 
 
 
 def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
-    """Indices of ``calls`` (one kind) by how they run: lists of at least two (:meth:`_run_batch`), or one.
+    """Indices of ``calls`` (one spec) by how they run: lists of at least two (:meth:`_run_batch`), or one.
     A call joins a batch if its parameter is at most the device's limit (:data:`_BATCH_LIMITS`), its
-    gradient has the first call's dtype (the kind leaves it open; the kernel's graph does not) and its
-    kind's draws, if it rounds the parameter stochastically, are placed per block row (quantized kinds; a
-    plain kind's are per call); a batch closes at the device's size limit."""
+    gradient has the first call's dtype (the spec leaves it open; the kernel's graph does not) and its
+    spec's draws, if it rounds the parameter stochastically, are placed per block row (quantized specs; a
+    plain spec's are per call); a batch closes at the device's size limit."""
     limits = _BATCH_LIMITS.get(calls[0].device.type) if calls else None
     if limits is None or (calls[0].sr and calls[0].space is None) or len(calls) < 2:
         return [[i] for i in range(len(calls))]
@@ -649,9 +649,9 @@ def _no_place(device: torch.device) -> Tensor:
 
 def run_compiled(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Tensor,
                  key: Optional[int] = None, start: int = 0) -> None:
-    """One update of ``p`` and its ``states`` by the compiled inductor kernel of its kind (``hyper``: the
+    """One update of ``p`` and its ``states`` by the compiled inductor kernel of its spec (``hyper``: the
     rule's scalars on ``p.device``), and the prepared call of this update for the next steps
-    (:mod:`._prepared`). A ``keyed`` kind's draws hash ``key`` (64 bits; None:
+    (:mod:`._prepared`). A ``keyed`` spec's draws hash ``key`` (64 bits; None:
     :func:`._cpu_kernel.param_key` drawn now) with each element's flat index in the full tensor ``p`` is
     a part of (``start``: its first element's), as the C kernel's (:func:`._rounding.position_draws`).
     """

@@ -6,14 +6,14 @@ states' ``qstate_t`` slots), the compiled inductor kernel a
 :class:`._kernels.PreparedKernelCall` (the compiled function and its
 arguments as aliases of the parameter's and states' storage). A later step
 finds it with :func:`registered_call` and runs it after identity and pointer checks
-(:meth:`PreparedUpdate.valid`), instead of re-deriving the kind, re-checking
+(:meth:`PreparedUpdate.valid`), instead of re-deriving the kernel spec, re-checking
 every state and re-building the arguments.
 
 Validity: a call is valid while the parameter object and its storage, the
 state objects and their buffers and maps, and the gradient's dtype, shape,
 contiguity and device are those it was prepared for; any change runs the
-full path, which prepares a new call. A call keeps the kind it was built for
-(rule, static flags, stochastic rounding: checked against the caller's) and,
+full path, which prepares a new call. A call keeps the rule it was built for
+(its name, static flags and stochastic rounding: checked against the caller's) and,
 for a DTensor shard, the shard's first flat index in the full tensor; a
 subclass adds that its kernel is the one the full path would pick now
 (``cpu_kernel_enabled``).
@@ -64,12 +64,12 @@ class PreparedUpdate:
     from and checks a new call's tensors against it (:meth:`valid`).
     """
 
-    __slots__ = ("kind", "sr", "start", "key", "param", "states", "p_ptr", "p_dtype", "device", "g_dtype", "g_shape",
+    __slots__ = ("rule_key", "sr", "start", "key", "param", "states", "p_ptr", "p_dtype", "device", "g_dtype", "g_shape",
                  "buffers", "maps", "__weakref__")
 
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
-        #: the update's (rule, static flags, stochastic rounding): the caller's part of the kind
-        self.kind = (spec.rule, spec.flags, spec.stochastic_round)
+        #: the update's (rule, static flags, stochastic rounding): what the caller checks it against
+        self.rule_key = (spec.rule, spec.flags, spec.stochastic_round)
         #: whether each call takes a stochastic-rounding key (:class:`._cpu_kernel.ParamKeys`)
         self.sr = spec.keyed
         #: the flat index of ``p``'s first element in its full tensor (0: ``p`` is whole)
@@ -93,11 +93,11 @@ class PreparedUpdate:
         """Enter this call in the registry (replacing its parameter's earlier one)."""
         _PREPARED[self.key] = self
 
-    def valid(self, kind: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
-        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would (``kind``: the
+    def valid(self, rule_key: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
+        """Whether this call updates ``p`` from ``g`` and ``states`` as the full path would (``rule_key``: the
         rule's name, its sorted static flags and stochastic rounding; ``start``: ``p``'s first flat index
         in its full tensor)."""
-        if kind != self.kind or start != self.start or len(states) != len(self.states):
+        if rule_key != self.rule_key or start != self.start or len(states) != len(self.states):
             return False
         for ref, s in zip(self.states, states):
             if ref() is not s:

@@ -15,19 +15,19 @@ Paths
 The path is chosen once per parameter, in :func:`_apply`:
 
 * ``compile=True``: the operator ``qstate::fused_update``, one call per step,
-  device, kind and DTensor mesh (plain tensors: none) over lists of
+  device, variant and DTensor mesh (plain tensors: none) over lists of
   parameters, gradients and states, as torch's fused AdamW calls
   ``_fused_adamw_``. Its kernels (``_fused_op.py``, one per dispatch key) run each parameter's
   prepared call where it has a valid one (``_prepared.py``: the C or
   inductor kernel and its arguments from an earlier step, after identity and
   pointer checks; a step's prepared calls of one C kernel run as one C
   call), else the fused kernel (decode -> update -> encode in one pass; on
-  CPU the C kernel, ``_cpu_kernel.py``, for the kinds it takes; otherwise
-  inductor's, one graph per kernel kind, ``_kernels.py``), else, for tensors
+  CPU the C kernel, ``_cpu_kernel.py``, for the kernel specs it takes; otherwise
+  inductor's, one graph per kernel spec, ``_kernels.py``), else, for tensors
   the fused kernels cannot run (views, mixed devices), the same math op by
   op. Parameters with plain states and fewer than :data:`SMALL_PLAIN_NUMEL`
-  elements (biases, norms) of kinds the C kernel does not take are a call of
-  the op's eager kind (the math op by op with the eager scalars): faster
+  elements (biases, norms) of kernel specs the C kernel does not take are a call of
+  the op's eager variant (the math op by op with the eager scalars): faster
   than a compiled kernel's call for them, and nothing to compile.
   On DTensors, DTensor's sharding strategy for the op checks that each gradient
   and state shares its parameter's shape, mesh and (non-Partial) placements, and
@@ -74,7 +74,7 @@ from .._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
 from .._state import QuantizedState
 from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
 from . import _cpu_kernel
-from ._fused_op import call_key, eager_call, fused_kind, fused_update
+from ._fused_op import eager_variant, fused_update, fused_variant, variant_name
 from ._kernels import KernelSpec
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
@@ -265,16 +265,16 @@ _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
 class _Batch:
-    """The parameters of one ``qstate::fused_update`` call: its lists, scalars and kind."""
+    """The parameters of one ``qstate::fused_update`` call: its lists, scalars and variant."""
 
     def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool,
                  mesh=None):
         self.step, self.sr, self.mesh = step, sr, mesh
         if eager:
-            hyper, call = eager_call(rule, static, sr, scalars.eager(step, device))
-            self.kind = call_key(call)
+            hyper, variant = eager_variant(rule, static, sr, scalars.eager(step, device))
+            self.variant = variant_name(variant)
         else:
-            hyper, self.kind = scalars.hyper(step, device), fused_kind(rule.name, static, sr)
+            hyper, self.variant = scalars.hyper(step, device), fused_variant(rule.name, static, sr)
         #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
         self.hyper = hyper if mesh is None else _replicated(hyper, mesh)
         self.params: list[Tensor] = []
@@ -313,12 +313,12 @@ class _Batch:
         if not self.params:
             return
         if not self.keyed:
-            fused_update(self.params, self.grads, self.states, self.hyper, self.kind)
+            fused_update(self.params, self.grads, self.states, self.hyper, self.variant)
             return
         sr_keys = [splitmix64.as_int64(0 if key is None else key) for key in self.keys]
         # on DTensors each shard draws by its place in the full parameter: its own start
         starts = [_FIRST] * len(self.params) if self.mesh is None else [flat_starts(p) for p in self.params]
-        fused_update(self.params, self.grads, self.states, self.hyper, self.kind, sr_keys=sr_keys, starts=starts)
+        fused_update(self.params, self.grads, self.states, self.hyper, self.variant, sr_keys=sr_keys, starts=starts)
 
 
 #: the ``starts`` of a plain parameter: its first element is the full tensor's
@@ -335,14 +335,14 @@ SMALL_PLAIN_NUMEL = 65536
 def _small_eager(rule: UpdateRule, static: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
                  sr: bool) -> bool:
     """Whether ``p``'s update runs the eager math as a small one with plain states (unless the C kernel
-    takes its kind; for a DTensor: its shards')."""
+    takes its kernel spec; for a DTensor: its shards')."""
     if not _small_and_plain(p, states):
         return False
     if p.device.type != "cpu" or not _cpu_kernel.enabled():
         return True
     key = (rule.name, static, p.dtype, g.dtype, sr, tuple(s.dtype for s in states))
     eager = _SMALL_EAGER.get(key)
-    if eager is None:  # the C kernel's verdict is a function of the kind: one per key
+    if eager is None:  # the C kernel's verdict is a function of the kernel spec: one per key
         spec = KernelSpec.of(rule.name, static, p, states, sr)
         eager = _SMALL_EAGER[key] = not _cpu_kernel.supports(spec, p.device, g.dtype)
     return eager

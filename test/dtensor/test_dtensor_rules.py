@@ -935,8 +935,8 @@ def test_uninstall_leaves_foreign_entries_alone(torch_rules: None) -> None:
         handlers.pop(aten.random_.default, None)
 
 
-def _rule(op: Any, kind: str) -> rules.Rule:
-    return next(r for r in rules.RULES if r.op == op and r.kind == kind)
+def _rule(op: Any, form: str) -> rules.Rule:
+    return next(r for r in rules.RULES if r.op == op and r.form == form)
 
 
 def test_install_leaves_torch_rules_that_have_the_fix(torch_rules: None) -> None:
@@ -977,7 +977,7 @@ def test_checks_recognize_the_installed_fixes() -> None:
     """With the rules installed (this module's fixture), every strategy rule's check finds its fix
     in DTensor's tables."""
     assert rules.is_installed()
-    still = sorted({str(r.op) for r in rules.RULES if r.kind != "handler" and r.needed()})
+    still = sorted({str(r.op) for r in rules.RULES if r.form != "handler" and r.needed()})
     assert still == [], still
 
 

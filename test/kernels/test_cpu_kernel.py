@@ -6,7 +6,7 @@ compiler run in a fresh interpreter configured through the build's environment (
 ``$QSTATE_CPU_KERNEL_CFLAGS``, ``$TORCHINDUCTOR_CACHE_DIR``). Private (``_cpu_kernel``), as nothing public
 reaches them: the checkers that compile C harnesses against the kernel's configured source (its
 ``#define`` block, source file, flags and compiler) to test its vector encodes and decodes function by
-function, the tables they read, and whether the C kernel takes a kind (:func:`_cpu_kernel.supports`),
+function, the tables they read, and whether the C kernel takes a kernel spec (:func:`_cpu_kernel.supports`),
 which makes sure a test of it does not run inductor's kernel instead.
 """
 
@@ -164,7 +164,7 @@ def _parts(s, r) -> tuple:
 
 
 def test_small_plain_states_run_the_c_kernel_with_its_results():
-    # below 65536 elements (where plain kinds it does not take run the eager math) a plain kind the C kernel
+    # below 65536 elements (where plain specs it does not take run the eager math) a plain spec the C kernel
     # takes runs it: the update is elementwise, so a 1024-element parameter gets the first 1024 elements of
     # the inductor kernel's update of a large parameter holding the same values
     gen = torch.Generator().manual_seed(1)
@@ -405,9 +405,9 @@ def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_one_build_per_kind_not_per_shape(tmp_path):
+def test_one_build_per_spec_not_per_shape(tmp_path):
     # in a fresh interpreter whose kernels build into an empty cache: one library per case, whatever the shapes
-    # and scalars (adamw_8bit_beta1_low is adamw_8bit's kind)
+    # and scalars (adamw_8bit_beta1_low is adamw_8bit's spec)
     _run_in_build((), [("_run", case, True, 1) for case in CASES], tmp_path)  # several shapes per case
     assert len(list((tmp_path / "cache" / "qstate").glob("*.so"))) == len(CASES) - 1
 
@@ -429,7 +429,7 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
     # parameter's position), hashed with each element's flat index. Each parameter equals that rule applied in
     # torch ops to the float32 result of the same update of float32 copies, both when the parameters run one by
     # one (first step) and as one prepared call (second; that such calls give the full path's bits is
-    # test_prepared_calls.py's test_parameters_of_a_kind_run_in_one_call_with_the_same_results)
+    # test_prepared_calls.py's test_parameters_of_a_spec_run_in_one_call_with_the_same_results)
     shapes = PLAIN_SHAPES if fmt == "fp32" else SHAPES
     gen = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
@@ -497,7 +497,7 @@ unchanged: True
 
     def test_extra_cflags_reach_the_compiler(self):
         # $QSTATE_CPU_KERNEL_CFLAGS is appended to the build's flags: an option the compiler rejects fails the
-        # build (the step raises, nothing changes), and valid extra flags build another library of the kind
+        # build (the step raises, nothing changes), and valid extra flags build another library of the spec
         out = _run_failing_step(QSTATE_CPU_KERNEL_CFLAGS="-fqstate-no-such-option")
         self.assertExpectedInline(out.replace(_cpu_kernel._compiler(), "CC"), """\
 qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with CC failed:
@@ -508,7 +508,7 @@ unchanged: True
 def test_extra_cflags_build_their_own_library(tmp_path):
     _run_in_build((), [("_run", "adamw_8bit", True, 1)], tmp_path)
     _run_in_build(("-O2",), [("_run", "adamw_8bit", True, 1)], tmp_path)
-    assert len(list((tmp_path / "cache" / "qstate").glob("qstate_update_*.so"))) == 2  # one kind, two flag sets
+    assert len(list((tmp_path / "cache" / "qstate").glob("qstate_update_*.so"))) == 2  # one spec, two flag sets
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -706,7 +706,7 @@ def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.T
     return y[torch.randperm(y.numel(), generator=torch.Generator().manual_seed(0))]
 
 
-#: the checkers' reference for map states: ENCODE of state 0 or 1 of the configured kind (its tables given), with
+#: the checkers' reference for map states: ENCODE of state 0 or 1 of the configured spec (its tables given), with
 #: the draw of flat index n under the key ``key`` (the state's own: STATE_KEY already applied; read only by
 #: stochastically rounding states)
 _SCALAR_CODE = r"""
@@ -724,7 +724,7 @@ static uint8_t scalar_code(float y, int state, const float *qmap0, const int32_t
 _MAP4_CHECK = _SCALAR_CODE + r"""
 /* how many of the n values y[] (no NaN; n a multiple of 16) get another code from the ``lanes``-wide
  * vector encode (16: map4_code16, AVX-512 VBMI; 8: map4_code8 and store_nibbles8, AVX2) than from the scalar
- * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured kind, drawing
+ * ENCODE, for state ``state`` (0: signed, stochastic; 1: unsigned, nearest) of the configured spec, drawing
  * under ``key``; -1 if this build lacks it. y[k] has the flat index base + k, or with ``wrap`` each run of 16
  * (the m-th) has base's high word + m and starts at low word 2**32 - 1 - m % 17: its low word wraps at lane
  * 1 + m % 17 (none for 16), carrying into the high word (and the AVX2 halves' second one starts past it) */
@@ -804,14 +804,14 @@ def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Te
     bs = 64 if fmt == "4bit" else 100
     states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
               qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
-    from qstate.optim import fused_kind
+    from qstate.optim import fused_variant
 
     spec = KernelSpec.of("adam", _ADAMW_FLAGS, p, states, False)
     assert _cpu_kernel.supports(spec, p.device, g.dtype) and spec.keyed and not spec.param_sr
     # lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound
     hyper = torch.tensor([1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0])
     with cpu_kernel_enabled(True):
-        torch.ops.qstate.fused_update([p], [g], states, hyper, fused_kind("adam", _ADAMW_FLAGS, False),
+        torch.ops.qstate.fused_update([p], [g], states, hyper, fused_variant("adam", _ADAMW_FLAGS, False),
                                       sr_keys=[key - 2**64 if key >= 2**63 else key], starts=[torch.tensor([start])])
     codes = states[0].codes
     if fmt == "4bit":
@@ -855,7 +855,7 @@ def test_state_stochastic_rounding_draws_by_position(fmt):
 _MAP8_CHECK = _SCALAR_CODE + r"""
 /* how many of the n values y[] (n a multiple of 32) get another code from the AVX2 encode of 8-bit map states
  * (table_code8 through CODE8, and store_codes32) than from the scalar ENCODE, for state ``state`` (0: signed,
- * 1: unsigned; both round to nearest) of the configured kind; -1 if this build lacks it */
+ * 1: unsigned; both round to nearest) of the configured spec; -1 if this build lacks it */
 int64_t map8_mismatches(const float *y, int64_t n, const float *qmap0, const int32_t *tab0, const float *qmap1,
                         const int32_t *tab1, int state) {
 #if HAVE_AVX2
@@ -920,17 +920,17 @@ def test_the_kernel_ab_benchmark_still_runs(tmp_path):
 _ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
 
 
-def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, kind=None):
+def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, variant=None):
     """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors;
     ``starts``: ints (default 0 for each parameter)."""
-    from qstate.optim import fused_kind
+    from qstate.optim import fused_variant
     from qstate.optim.adam import ADAM
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     hyper = torch.tensor([1e-2, 1.0] + [ADAM.scalars(group, 1)[n] for n in ADAM.scalar_names[2:]])
-    kind = kind or fused_kind("adam", _ADAMW_FLAGS, True)
+    variant = variant or fused_variant("adam", _ADAMW_FLAGS, True)
     starts = [torch.tensor([s]) for s in (starts or [0] * len(ps))]
-    torch.ops.qstate.fused_update(ps, gs, [s for st in states for s in st], hyper, kind, sr_keys=sr_keys,
+    torch.ops.qstate.fused_update(ps, gs, [s for st in states for s in st], hyper, variant, sr_keys=sr_keys,
                                   starts=starts)
 
 
@@ -982,8 +982,8 @@ def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op
 
 
 class TestSrKeysErrors(expecttest.TestCase):
-    def test_sr_keys_need_a_stochastically_rounding_kind_and_change_nothing(self):
-        from qstate.optim import fused_kind
+    def test_sr_keys_need_a_stochastically_rounding_variant_and_change_nothing(self):
+        from qstate.optim import fused_variant
 
         ok = torch.zeros(10, 300, dtype=torch.bfloat16)
         g = torch.ones(10, 300, dtype=torch.bfloat16)
@@ -998,6 +998,6 @@ class TestSrKeysErrors(expecttest.TestCase):
         self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, 1 starts""")
         # keys come with starts (a shard's draws need its place in the full tensor)
         hyper = torch.zeros(9)
-        self.assertExpectedInline(error(lambda: torch.ops.qstate.fused_update([ok], [g], st[0], hyper, fused_kind("adam", _ADAMW_FLAGS, True), sr_keys=[1])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 1 sr_keys, no starts""")
+        self.assertExpectedInline(error(lambda: torch.ops.qstate.fused_update([ok], [g], st[0], hyper, fused_variant("adam", _ADAMW_FLAGS, True), sr_keys=[1])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 1 sr_keys, no starts""")
         for t, b in zip((ok, *st[0], *st[1]), before):
             assert torch.equal(t, b)

@@ -85,7 +85,7 @@ def kernel(request) -> str:
 @pytest.fixture
 def reused(monkeypatch) -> list:
     """Per run of queued prepared calls (one op call queues its valid calls, then runs them in groups,
-    one per kernel kind), the parameters of each group, in order (private: ``_fused_op.PendingCalls``)."""
+    one per kernel spec), the parameters of each group, in order (private: ``_fused_op.PendingCalls``)."""
     runs: list = []
     run = _fused_op.PendingCalls.run
 
@@ -180,9 +180,9 @@ def test_two_optimizers_over_one_parameter_keep_their_own_calls(reused):
 
 @pytest.mark.parametrize("fmt, dtype", [("8bit", torch.float32), ("4bit", torch.float32), ("fp8", torch.float32),
                                         ("fp32", torch.float32), ("8bit", torch.bfloat16), ("fp32", torch.bfloat16)])
-def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, dtype, reused):
+def test_parameters_of_a_spec_run_in_one_call_with_the_same_results(fmt, dtype, reused):
     # several shapes (ragged rows, an odd 4-bit row, 3-D, 1-D plain) in one step: the C kernel's call over
-    # all of a kind's parameters gives each parameter what its own call on the full path gives (bf16
+    # all of a spec's parameters gives each parameter what its own call on the full path gives (bf16
     # parameters: rounded stochastically, each with its own key)
     shapes = [(8, 640), (33, 71), (7, 513), (3, 5, 300), (640,), (2, 2100)]
 
@@ -201,7 +201,7 @@ def test_parameters_of_a_kind_run_in_one_call_with_the_same_results(fmt, dtype, 
                 p.grad = torch.randn(p.shape, generator=gen).to(dtype)
             opt.step() if reuse else _full_path_step(opt)
         runs.append((ps, opt))
-        if reuse:  # at least one kind ran several parameters in one call
+        if reuse:  # at least one spec ran several parameters in one call
             assert max(len(group) for run in reused for group in run) > 1
     (ps, opt), (ref_ps, ref) = runs
     _assert_same_states(opt, ps, ref, ref_ps)
@@ -288,7 +288,7 @@ _BATCH_CASES = {
 
 @pytest.mark.parametrize("case", list(_BATCH_CASES))
 def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch, reused):
-    # small parameters' prepared inductor calls of one kind run as one kernel call over concatenated
+    # small parameters' prepared inductor calls of one spec run as one kernel call over concatenated
     # copies: the same bits as the full path (one call per parameter), and no graph of their own
     opt_cls, kwargs, dtype, shapes = _BATCH_CASES[case]
     batched = []
@@ -329,10 +329,10 @@ def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch
 # grouped and batched; the behaviour they serve (the full path's bits) is checked above.
 
 
-def _valid_call(kind: tuple, p, states) -> bool:
-    """Whether ``p`` (a whole parameter) has a prepared call valid for ``kind`` with ``states``."""
+def _valid_call(rule_key: tuple, p, states) -> bool:
+    """Whether ``p`` (a whole parameter) has a prepared call valid for ``rule_key`` with ``states``."""
     call = _prepared.registered_call(p, states)
-    return call is not None and call.valid(kind, p, p.grad, states, 0)
+    return call is not None and call.valid(rule_key, p, p.grad, states, 0)
 
 
 def test_calls_leave_with_their_parameters_and_states(kernel):
@@ -344,11 +344,11 @@ def test_calls_leave_with_their_parameters_and_states(kernel):
     per_model = 2 if kernel == "c" else 1  # the inductor kernel leaves the small bias to the eager math
     assert _prepared.prepared_calls() == 2 * per_model  # the reference's too
     p = ps[0]
-    kind = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
+    rule_key = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
     states = [opt.state[p][n] for n in ("exp_avg", "exp_avg_sq")]
-    assert _valid_call(kind, p, states)
+    assert _valid_call(rule_key, p, states)
     with cpu_kernel_enabled(kernel != "c"):  # the other kernel would run this update: the call is not valid
-        assert not _valid_call(kind, p, states)
+        assert not _valid_call(rule_key, p, states)
     opt.state[p]["exp_avg_sq"] = states.pop().clone()  # a state other than the first dies: its call goes
     gc.collect()
     assert _prepared.prepared_calls() == 2 * per_model - 1
@@ -444,7 +444,7 @@ def test_a_dropped_call_is_freed_without_a_garbage_collection():
 
 def test_batches_close_at_the_devices_limits(monkeypatch):
     # _kernels._batches: a call past the largest parameter runs alone, a batch closes before it would pass
-    # the most elements; a gradient of another dtype than the first call's runs alone; a plain kind that
+    # the most elements; a gradient of another dtype than the first call's runs alone; a plain spec that
     # rounds the parameter stochastically (its draws are placed per call, not per block row) or a device
     # type without limits runs call by call
     from types import SimpleNamespace
@@ -452,7 +452,7 @@ def test_batches_close_at_the_devices_limits(monkeypatch):
     monkeypatch.setattr(_kernels, "_BATCH_LIMITS", {"cpu": (100, 250)})
 
     def calls(sizes, device="cpu", sr=False, unit=0, g_dtype=torch.float32):
-        space = object() if unit else None  # a quantized kind's block space
+        space = object() if unit else None  # a quantized spec's block space
         return [SimpleNamespace(rows_n=n, unit=unit, sr=sr, space=space, device=torch.device(device), g_dtype=g_dtype)
                 for n in sizes]
 

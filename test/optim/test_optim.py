@@ -186,7 +186,7 @@ def test_one_graph_per_kernel_kind_not_per_shape():
                   params(shapes), 2)
         run_steps(lambda ps: AdamW(ps, lr=1e-3, betas=(0.5, 0.9), state_format="8bit", min_quantize_numel=0),
                   params([(300, 3), (17,)]), 2)
-    # one graph for the 8bit kind (every ndim >= 2 shape); 1-D params keep small plain states, which
+    # one graph for the 8bit kernel spec (every ndim >= 2 shape); 1-D params keep small plain states, which
     # run eagerly (plain states below 65536 elements)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
 

@@ -70,7 +70,7 @@ class Config:
     min_quantize_numel: int = 100
     #: fused compiled kernels: DTensor runs qstate::fused_update shard by shard
     compile: bool = False
-    #: with ``compile``, the CPU C kernel where it takes the kind (False: the inductor kernel)
+    #: with ``compile``, the CPU C kernel where it takes the kernel spec (False: the inductor kernel)
     c_kernel: bool = True
 
     @property
