@@ -164,13 +164,13 @@ def kernel_vector_paths() -> str:
     ``"portable"`` (the compiler's predefined macros under the kernel's flags), or ``"no compiler"``."""
     import subprocess
 
-    from qstate.optim import _cpu_kernel
+    from qstate.optim import _cpu_build
 
-    cc = _cpu_kernel._compiler()
+    cc = _cpu_build.compiler()
     if cc is None:
         return "no compiler"
-    flags = [f for f in _cpu_kernel._CFLAGS if f.startswith("-m")]
-    macros = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True).stdout
+    flags = [f for f in _cpu_build.CFLAGS if f.startswith("-m")]
+    macros = subprocess.run([*cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True).stdout
     have = set(line.split()[1] for line in macros.splitlines() if line.startswith("#define "))
     if {"__AVX512VBMI__", "__AVX512BW__"} <= have:
         return "AVX-512 VBMI + AVX2"

@@ -43,6 +43,7 @@ import torch
 
 from _common import parse_size
 from qstate.optim import AdamW
+from qstate.optim import _cpu_build
 from qstate.optim import _cpu_kernel as ck
 
 
@@ -87,8 +88,8 @@ def _check_layout(source: Path, config: str, fmt: str) -> None:
 
 def _load(source: Path, out_dir: Path) -> ctypes.CDLL:
     lib = out_dir / (source.stem + ".so")
-    cc = ck._compiler()
-    proc = subprocess.run([cc, *ck._CFLAGS, str(source), "-o", str(lib), "-lm"], capture_output=True, text=True)
+    cc = _cpu_build.compiler()
+    proc = subprocess.run([*cc, *_cpu_build.CFLAGS, str(source), "-o", str(lib), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"compiling {source} failed:\n{proc.stderr}")
     dll = ctypes.CDLL(str(lib))

@@ -10,12 +10,12 @@ take it too: one call per parameter (about 0.01 ms) instead of inductor's
 kernel call (about 0.15 ms) or, for biases and norms, ~15 eager ops.
 
 Build: one shared object per kernel spec (:class:`~qstate.optim._kernels.KernelSpec`,
-shapes never enter), compiled on first use with the C compiler inductor uses
-(``$CC`` or ``cc``; gcc or clang) and ``_CFLAGS`` (``-O3 -march=native
--fopenmp``; ``-ffp-contract=off``: no fused multiply-adds), then the flags of ``$QSTATE_CPU_KERNEL_CFLAGS``
-(:func:`_cflags`), cached in ``<inductor cache dir>/qstate`` under a hash of the source, configuration,
-compiler, flags and CPU, and loaded with ``ctypes``.
-A compiler failure raises (with the compiler's message); nothing falls back
+shapes never enter): the source configured for the spec (:func:`_config`), built on first use in a
+process and loaded by :func:`._cpu_build.load` (the compiler, ``$CC`` or ``cc``; its flags, ``-O3
+-march=native -fopenmp -ffp-contract=off`` then ``$QSTATE_CPU_KERNEL_CFLAGS``; the cache, a folder
+private to the user, ``$QSTATE_CPU_KERNEL_CACHE`` or ``<inductor cache dir>/qstate``, whose libraries
+are loaded only where their SHA-256 is the one recorded at their build; its docstring states the rules).
+A missing compiler, a failing build or a cache folder others can write raises; nothing falls back
 silently.
 
 Which specs it takes (:func:`supports`): CPU, every state a ``QuantizedState``
@@ -57,14 +57,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -76,6 +69,7 @@ from .. import _splitmix64 as splitmix64
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from ._codec import _code_thresholds, _floats, get_codec
+from ._cpu_build import compiler as _compiler, load as _load_library
 from ._prepared import PreparedUpdate
 from ._rules import RULES
 from ._state_kind import StateKind
@@ -276,12 +270,6 @@ class ParamKeys:
         return splitmix64.mix(self.base + i + splitmix64.GAMMA)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return cc
-
-
 def _config(spec, grad_dtype: torch.dtype) -> str:
     """The ``#define`` block that configures ``update_kernel.c`` for ``spec``."""
     flags = dict(spec.flags)
@@ -322,55 +310,10 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + platform.processor() + flags
-
-
-def _cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "qstate"
-
-
-_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC",
-           "-shared", "-std=c11")
-
-
-def _cflags() -> tuple[str, ...]:
-    """The flags a kernel is built with: :data:`_CFLAGS`, then those of ``$QSTATE_CPU_KERNEL_CFLAGS`` (split
-    as a shell splits them).
-
-    The variable is read when a spec's kernel is built, that is at its first use in a process (a process keeps
-    the kernels it loaded); its flags are part of the build cache's key, so builds with other flags
-    never share a cached library. E.g. ``-mno-avx512f`` builds without the AVX-512 paths, ``-march=x86-64``
-    (after ``-march=native``) the portable loops only; every build gives the same results bit for bit."""
-    return _CFLAGS + tuple(shlex.split(os.environ.get("QSTATE_CPU_KERNEL_CFLAGS", "")))
-
-
 def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
-    cc = _compiler()
-    cflags = _cflags()
-    source = _config(spec, grad_dtype) + _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, cc, *cflags, _machine()]).encode()).hexdigest()[:24]
-    out_dir = _cache_dir()
-    lib = out_dir / f"qstate_update_{_tag(spec, grad_dtype)}_{key}.so"
-    if not lib.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = Path(tmp) / "kernel.c"
-            src.write_text(source)
-            tmp_lib = Path(tmp) / "kernel.so"
-            proc = subprocess.run([cc, *cflags, str(src), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"qstate: compiling the CPU update kernel {_tag(spec, grad_dtype)} with {cc} failed:\n"
-                                   f"{proc.stderr.strip()}")
-            os.replace(tmp_lib, lib)  # atomic: concurrent processes never load a partial file
-    dll = ctypes.CDLL(str(lib))
+    tag = _tag(spec, grad_dtype)
+    dll = _load_library(_config(spec, grad_dtype) + _SOURCE.read_text(), f"qstate_update_{tag}",
+                        f"the CPU update kernel {tag}")
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,
                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64]

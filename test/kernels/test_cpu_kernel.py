@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import KernelSpec, StateKind, _cpu_kernel, cpu_kernel_enabled
+from qstate.optim import KernelSpec, StateKind, _cpu_build, _cpu_kernel, cpu_kernel_enabled
 from qstate.optim import functional as F
 from rounding_keys import param_keys
 
@@ -329,10 +330,10 @@ _SIMDE_SHIM = Path(__file__).with_name("simde_avx512.h")
 @functools.lru_cache(maxsize=None)
 def _native_defines() -> str:
     """The predefined macros of the kernel's native build (``-march=native``): its vector extensions."""
-    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
+    cc = _cpu_build.compiler()  # the compiler the kernel builds with (its words)
     if cc is None:
         return ""
-    return subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+    return subprocess.run([*cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
                           text=True).stdout
 
 
@@ -341,11 +342,11 @@ def _simde_flags() -> tuple[str, ...] | None:
     """Compiler flags with which the kernel takes its AVX-512 VBMI paths on an x86-64 machine with AVX2 but
     without AVX-512 (``QSTATE_SIMDE_AVX512``, and ``test/simde_avx512.h``: SIMDe's intrinsics), or None where
     they do not build (another architecture, no C compiler, no SIMDe headers: Debian's ``libsimde-dev``)."""
-    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
+    cc = _cpu_build.compiler()  # the compiler the kernel builds with (its words)
     if platform.machine() not in ("x86_64", "AMD64") or cc is None or "__AVX2__" not in _native_defines():
         return None
     flags = ("-DQSTATE_SIMDE_AVX512", "-include", str(_SIMDE_SHIM))
-    probe = subprocess.run([cc, "-march=native", *flags, "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
+    probe = subprocess.run([*cc, "-march=native", *flags, "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
     return flags if probe.returncode == 0 else None
 
 
@@ -389,7 +390,7 @@ _MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "por
 def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     # the machine running the suite takes one vector path; the others must at least build (compile only,
     # each kind of AdamW's states: 8bit, 4bit with a stochastic first moment, fp8, plain bf16)
-    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
+    cc = _cpu_build.compiler()  # the compiler the kernel builds with (its words)
     if cc is None:
         pytest.skip("no C compiler")
     p = torch.zeros(2, 256)
@@ -400,8 +401,8 @@ def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
                                     rounding=SR if signed and fmt == "4bit" else "nearest") for signed in (True, False)]
     spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
     (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
-    flags = [f for f in _cpu_kernel._CFLAGS if not f.startswith("-march=")] + [_MARCH[isa]]
-    proc = subprocess.run([cc, *flags, "kernel.c", "-o", "kernel.so"], cwd=tmp_path, capture_output=True, text=True)
+    flags = [f for f in _cpu_build.CFLAGS if not f.startswith("-march=")] + [_MARCH[isa]]
+    proc = subprocess.run([*cc, *flags, "kernel.c", "-o", "kernel.so"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -499,7 +500,7 @@ unchanged: True
         # $QSTATE_CPU_KERNEL_CFLAGS is appended to the build's flags: an option the compiler rejects fails the
         # build (the step raises, nothing changes), and valid extra flags build another library of the spec
         out = _run_failing_step(QSTATE_CPU_KERNEL_CFLAGS="-fqstate-no-such-option")
-        self.assertExpectedInline(out.replace(_cpu_kernel._compiler(), "CC"), """\
+        self.assertExpectedInline(out.replace(shlex.join(_cpu_build.compiler()), "CC"), """\
 qstate: compiling the CPU update kernel sgd_float32_rn_q_8bit_True_32_nearest with CC failed:
 unchanged: True
 """)
@@ -542,14 +543,14 @@ def _checker(tmp_path, states: list, source: str, function: str, flags: tuple = 
     ``states``), compiled as the kernel is (plus ``flags``); skips without a C compiler."""
     import ctypes
 
-    cc = _cpu_kernel._compiler()  # the compiler the kernel builds with
+    cc = _cpu_build.compiler()  # the compiler the kernel builds with (its words)
     if cc is None:
         pytest.skip("no C compiler")
     spec = KernelSpec.of("adam", (("decoupled", True),), torch.zeros(2, 256), states, False)
     (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
     (tmp_path / "check.c").write_text(source)
     lib = tmp_path / "check.so"
-    subprocess.run([cc, *_cpu_kernel._CFLAGS, *flags, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
+    subprocess.run([*cc, *_cpu_build.CFLAGS, *flags, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,
                    cwd=tmp_path)
     fn = getattr(ctypes.CDLL(str(lib)), function)
     fn.restype = ctypes.c_int64
