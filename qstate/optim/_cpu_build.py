@@ -13,7 +13,7 @@ per source, compiler command, flags and CPU, named ``<name>_<hash of these>.so``
 
 Storage rules (:func:`private_cache_folder`, :func:`load`), checked before anything in the folder is read:
 
-* The folder and each level of it qstate creates are created ``0o700``. The folder is used only if it is a
+* The folder, and each missing level of its path, is created ``0o700``. The folder is used only if it is a
   folder (``os.lstat``: a symbolic link is refused), owned by this (effective) user, and neither group nor
   others can write it; every level above it (its real path) must be owned by root or this user and not
   writable by others or by a group other than this user's primary group, unless sticky (as ``/tmp``): a
@@ -25,7 +25,8 @@ Storage rules (:func:`private_cache_folder`, :func:`load`), checked before anyth
   SHA-256 is the sidecar's. Otherwise (missing sidecar, truncated or corrupt file, a link, a file of someone
   else) it is never loaded but built again over it: the compiler writes into a fresh private folder inside
   the cache folder, then the library and its sidecar replace the entries (``os.replace``, atomic: a
-  concurrent process sees a whole old or whole new file, and a link is replaced, not its target).
+  concurrent process sees a whole old or whole new file, and a link is replaced, not its target; one that
+  finds a new library beside the old sidecar builds again).
 * A library that still fails to load (``dlopen``: e.g. a library its compiler left incomplete) is built
   again once; a second failure raises with ``dlopen``'s message.
 
@@ -210,6 +211,8 @@ def _compile(cc: tuple[str, ...], flags: tuple[str, ...], source: str, lib: Path
             raise RuntimeError(f"qstate: compiling {what} with {shlex.join(cc)} failed:\n{proc.stderr.strip()}")
         digest = Path(tmp) / "kernel.so.sha256"
         digest.write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
+        os.chmod(out, 0o755)  # whatever the umask: entries group or others can write are never loaded
+        os.chmod(digest, 0o644)
         os.replace(out, lib)
         os.replace(digest, _sidecar(lib))
 

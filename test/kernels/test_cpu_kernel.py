@@ -291,6 +291,7 @@ def _run_in_build(flags: tuple[str, ...], calls: list[tuple], tmp: Path) -> list
 
     torch.save(calls, tmp / "calls.pt")
     env = dict(os.environ, QSTATE_CPU_KERNEL_CFLAGS=shlex.join(flags), TORCHINDUCTOR_CACHE_DIR=str(tmp / "cache"))
+    env.pop("QSTATE_CPU_KERNEL_CACHE", None)  # the cache is <inductor cache dir>/qstate
     here = Path(__file__).resolve().parent
     proc = subprocess.run([sys.executable, "-c", _IN_FRESH_INTERPRETER, str(here), str(here.parent),
                            str(tmp / "calls.pt"), str(tmp / "results.pt")], cwd=_ROOT, env=env,

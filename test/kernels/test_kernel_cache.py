@@ -118,15 +118,21 @@ def test_the_cache_folder_is_created_private_with_a_hash_of_each_library(tmp_pat
     lib = _library(cache)
     _assert_whole(lib)
     assert sorted(p.name for p in cache.iterdir()) == [lib.name, lib.name + ".sha256"]
+    built = os.lstat(lib).st_ino
+    assert _load(cache) == {"answer": 42}
+    assert os.lstat(lib).st_ino == built  # loaded from the cache, not built again
 
 
-def test_the_umask_never_widens_the_folder(tmp_path):
-    old = os.umask(0)  # the child inherits it
+def test_the_umask_never_widens_the_cache(tmp_path):
+    old = os.umask(0)  # the children inherit it
     try:
+        assert _load(tmp_path / "cache") == {"answer": 42}
+        built = os.lstat(_library(tmp_path / "cache")).st_ino
         assert _load(tmp_path / "cache") == {"answer": 42}
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.lstat(tmp_path / "cache").st_mode) == 0o700
+    assert os.lstat(_library(tmp_path / "cache")).st_ino == built  # its entries are trusted: not built again
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
