@@ -178,12 +178,12 @@ class QuantizedState(Tensor):
         out.state_name = self.state_name
         return out
 
-    def check(self, name: Optional[str] = None) -> None:
-        """Raise ``ValueError`` unless this state keeps the storage rules, its values included
-        (:func:`check_parts`; ``name``: how errors name it, default its ``state_name``)."""
+    def check(self, name: Optional[str] = None, *, values: bool = True) -> None:
+        """Raise ``ValueError`` unless this state keeps the storage rules (:func:`check_parts`; ``name``:
+        how errors name it, default its ``state_name``; ``values``: its scales and map too)."""
         check_parts(self.codes, self.scale, self.qmap, format=self.format, signed=self.signed,
                     block_size=self.block_size, row_len=self.row_len, shape=tuple(self.shape), dtype=self.dtype,
-                    rounding=self.rounding, name=name or self.state_name)
+                    rounding=self.rounding, name=name or self.state_name, values=values)
 
     def kind(self) -> str:
         """``"<format> <signed|unsigned> block_size=<n>"``, plus ``" rounding=stochastic"`` if so.

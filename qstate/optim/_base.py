@@ -88,7 +88,7 @@ from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
 from .._dtensor import local_of, state_kind
-from .._state import quantized_kind
+from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
@@ -348,6 +348,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                              f"min_quantize_numel={group['min_quantize_numel']}), got {got}{_CONVERT_HINT}")
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+        local = local_of(value)
+        if isinstance(local, QuantizedState):
+            if value.dtype != torch.float32:  # the appearance dtype of the states it creates (_zero_state)
+                raise ValueError(f"{what}: expected a state that appears as torch.float32 (the optimizer's), "
+                                 f"got {value.dtype}{_CONVERT_HINT}")
+            try:  # its parts: a kernel reads exactly what the layout says
+                local.check()
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}") from None
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
         """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""

@@ -9,8 +9,10 @@ finds it with :func:`registered_call` and runs it after identity and pointer che
 (:meth:`PreparedUpdate.valid`), instead of re-deriving the kernel spec, re-checking
 every state and re-building the arguments.
 
-Validity: a call is valid while the parameter object and its storage, the
-state objects and their buffers and maps, and the gradient's dtype, shape,
+Validity: a call is valid while the parameter object and its storage and
+shape, the state objects and their buffers (address, dtype, shape, strides:
+what the kernel was checked against when the call was prepared) and maps,
+and the gradient's dtype, shape,
 contiguity and device are those it was prepared for; any change runs the
 full path, which prepares a new call. A call keeps the rule it was built for
 (its name, static flags and stochastic rounding: checked against the caller's) and,
@@ -45,14 +47,20 @@ __all__ = ["PreparedUpdate", "registered_call", "prepared_calls", "clear_prepare
 Hyper = Union[Tensor, Sequence[float]]
 
 
-def _buffers(states: Sequence[Tensor]) -> tuple[int, ...]:
-    """The data pointers a prepared call holds for ``states`` (codes and scales, or plain values)."""
-    out: list[int] = []
+def _buffer(t: Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
+
+def _buffers(states: Sequence[Tensor]) -> tuple:
+    """The buffers a prepared call holds for ``states`` (codes and scales, or plain values): each one's
+    data pointer, dtype, shape and strides, which the kernel was checked against when the call was
+    prepared (a buffer replaced by a smaller one at the same address is another buffer)."""
+    out: list[tuple] = []
     for s in states:
         if type(s) is Tensor:
-            out.append(s.data_ptr())
+            out.append(_buffer(s))
         else:
-            out += (s.codes.data_ptr(), s.scale.data_ptr())
+            out += (_buffer(s.codes), _buffer(s.scale))
     return tuple(out)
 
 
@@ -102,7 +110,7 @@ class PreparedUpdate:
         for ref, s in zip(self.states, states):
             if ref() is not s:
                 return False
-        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or not p.is_contiguous():
+        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or p.shape != self.g_shape or not p.is_contiguous():
             return False
         if type(g) is not Tensor or g.dtype is not self.g_dtype or g.shape != self.g_shape:
             return False
