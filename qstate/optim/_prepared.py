@@ -110,7 +110,9 @@ class PreparedUpdate:
         for ref, s in zip(self.states, states):
             if ref() is not s:
                 return False
-        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or p.shape != self.g_shape or not p.is_contiguous():
+        if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or not p.is_contiguous():
+            return False
+        if p.shape != self.g_shape:  # the parameter's shape when the call was prepared (its gradient's)
             return False
         if type(g) is not Tensor or g.dtype is not self.g_dtype or g.shape != self.g_shape:
             return False
