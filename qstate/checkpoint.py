@@ -204,7 +204,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
             except ValueError as e:
                 fqn = item.dest_index.fqn
-                if repr(fqn) in str(e):
+                if str(e).startswith(repr(fqn)):
                     raise
                 raise ValueError(f"{fqn!r}: {e}") from None
         return _done()
