@@ -66,6 +66,7 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, QuantizedState):
         return copy_into_state(dst, src)
+    src.check()  # a state read into a plain tensor: whole and valid, as one copied into a state
     return dst.copy_(src.dequantize(torch.float32))
 
 
@@ -77,6 +78,7 @@ def _copy_with_draws(cls, func, types, args, kwargs):
     if isinstance(dst, QuantizedState):
         copy_into_state(dst, src, draws)
     else:  # a plain dst, a quantized src: the src's values
+        src.check()
         dst.copy_(src.dequantize(torch.float32))
 
 

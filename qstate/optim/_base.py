@@ -66,7 +66,9 @@ argument checks and static flags; everything else lives here:
   anything: its layout (``state``/``param_groups``, group and parameter
   counts), every parameter's states (each of the rule's, plus ``step``, of
   exactly the kind this optimizer would create: format, signedness, block
-  size, rounding, dtype, shape) and the policy options
+  size, rounding, dtype (a quantized state's appearance dtype included), shape;
+  a quantized state's parts as well: :meth:`~qstate.QuantizedState.check`)
+  and the policy options
   (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
   ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
   mismatch raises ``ValueError`` naming the parameter (or group and option),
@@ -325,7 +327,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return torch.zeros_like(like, dtype=kind.dtype, memory_format=torch.preserve_format)
 
     def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Any) -> None:
-        """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""
+        """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates: its kind,
+        shape and appearance dtype, and for a quantized state (or a DTensor's local one) its parts
+        (:meth:`~qstate.QuantizedState.check`: codes, scales and map of its layout, scales >= 0, the
+        format's map), so that no kernel reads a state past its buffers."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
         specs = {s.name: s for s in self.rule.states(self._flags(group))}
