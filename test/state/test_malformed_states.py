@@ -489,6 +489,25 @@ def _kernel_step(fmt, m):
         assert _equal(_snapshot(p, opt, steps=False), before)
 
 
+def _swapped_buffers() -> None:
+    """A prepared call's buffers replaced by narrower ones: the call is not reused, the kernel's check
+    refuses them."""
+    for fmt in FORMATS:
+        p, opt = _trained(fmt)
+        p.grad = torch.ones(SHAPE)
+        opt.step()  # a prepared call now holds the states' buffers
+        good = opt.state[p]["exp_avg"]
+        codes = good.codes
+        good.codes = codes[:, :1].contiguous()
+        before = _snapshot(p, opt, steps=False)
+        with pytest.raises(ValueError, match=r"^qstate CPU kernel: state 0 codes: expected contiguous CPU "
+                                             r"torch.uint8 \[4, \d+\], got torch.uint8 \[4, 1\]"):
+            opt.step()
+        assert _equal(_snapshot(p, opt, steps=False), before)
+        good.codes = codes
+        opt.step()
+
+
 def _in_child(name: str) -> None:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(os.path.dirname(__file__))]))
@@ -505,6 +524,10 @@ def test_optimizer_load_state_dict_refuses_malformed_states_before_the_step():
 
 def test_c_kernel_never_reads_past_a_malformed_state():
     _in_child("_kernel_step")
+
+
+def test_a_prepared_call_never_runs_over_replaced_buffers():
+    _in_child("_swapped_buffers")
 
 
 if __name__ == "__main__":
