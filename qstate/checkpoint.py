@@ -151,7 +151,9 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
     for name, obj in vars(torch).items():
         if isinstance(obj, torch.dtype):
             allowed["torch", name] = obj
-    allowed["torch.serialization", "_get_layout"] = torch.serialization._get_layout
+    get_layout = getattr(torch.serialization, "_get_layout", None)  # how TensorProperties pickles its layout
+    if get_layout is not None:
+        allowed["torch.serialization", "_get_layout"] = get_layout
     for name in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"):
         allowed["pathlib", name] = getattr(pathlib, name)
     allowed["collections", "OrderedDict"] = __import__("collections").OrderedDict
