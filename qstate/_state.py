@@ -29,6 +29,19 @@ The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
   gives them (the optimizers' updates, ``qstate::copy_with_draws_``), draws by
   each element's place in the full tensor, so a sharded state gets the codes
   of the unsharded one.
+
+Validation
+----------
+A state is checked against these rules wherever it enters from outside
+(:func:`check_parts`): unpickling (``torch.load``, DCP's reads), copies from
+another state, the optimizers' ``load_state_dict`` and
+:func:`qstate.checkpoint.load`; ``__tensor_unflatten__`` checks what it can
+without reading values (it runs under tracing). States built by qstate's ops
+keep the rules by construction. Scales must be ``>= 0`` and not ``-inf``;
+NaN and ``+inf`` scales are allowed: they are how a block that held a NaN or
+an infinity is stored (:mod:`qstate.formats._base`, "Non-finite values"),
+which a step with a non-finite gradient writes unless the optimizer has
+``skip_nonfinite=True``, and every kernel reads them safely.
 """
 
 from __future__ import annotations
@@ -43,11 +56,13 @@ import torch
 from torch import Tensor
 
 from ._op_table import dispatch
-from .formats import ROUNDINGS, BlockFormat, get_format
+from .formats import FORMATS, ROUNDINGS, BlockFormat, get_format
 
 __all__ = ["QuantizedState", "APPEARANCE_DTYPES", "quantized_kind"]
 
 APPEARANCE_DTYPES = (torch.float32, torch.bfloat16)
+#: the largest block size a state may have (a block is padded and buffered whole when it is encoded)
+MAX_BLOCK_SIZE = 2**20
 
 
 class QuantizedState(Tensor):
@@ -126,6 +141,10 @@ class QuantizedState(Tensor):
     @classmethod
     def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride) -> "QuantizedState":
         fmt, signed, block_size, row_len, dtype, rounding = ctx
+        # structure only: under tracing the parts are fake tensors, whose values cannot be read
+        check_parts(inner["codes"], inner["scale"], inner.get("qmap"), format=fmt, signed=signed,
+                    block_size=block_size, row_len=row_len, shape=outer_size, dtype=dtype, rounding=rounding,
+                    values=False)
         return cls(
             inner["codes"], inner["scale"], inner.get("qmap"),
             format=fmt, signed=signed, block_size=block_size, row_len=row_len,
@@ -158,6 +177,13 @@ class QuantizedState(Tensor):
         )
         out.state_name = self.state_name
         return out
+
+    def check(self, name: Optional[str] = None, *, values: bool = True) -> None:
+        """Raise ``ValueError`` unless this state keeps the storage rules (:func:`check_parts`; ``name``:
+        how errors name it, default its ``state_name``; ``values``: its scales and map too)."""
+        check_parts(self.codes, self.scale, self.qmap, format=self.format, signed=self.signed,
+                    block_size=self.block_size, row_len=self.row_len, shape=tuple(self.shape), dtype=self.dtype,
+                    rounding=self.rounding, name=name or self.state_name, values=values)
 
     def kind(self) -> str:
         """``"<format> <signed|unsigned> block_size=<n>"``, plus ``" rounding=stochastic"`` if so.
@@ -217,6 +243,150 @@ def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) ->
     return f"{format} {signedness} block_size={block_size}{suffix}"
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+
+
+def _readable(t: Tensor) -> bool:
+    """Whether ``t``'s values can be read here: a plain eager tensor off the meta device, not under tracing."""
+    return type(t) is Tensor and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+def _spec(t: Any) -> str:
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)}" + ("" if type(t) in (Tensor, torch.nn.Parameter) else f" ({type(t).__name__})")
+
+
+def check_parts(
+    codes: Any, scale: Any, qmap: Any, *, format: Any, signed: Any, block_size: Any, row_len: Any,
+    shape: Sequence[Any], dtype: Any, rounding: Any, name: Optional[str] = None, values: bool = True,
+) -> None:
+    """Raise ``ValueError`` unless these are the parts and properties of a state that keeps the storage
+    rules (module docstring), naming the state (``name``: its ``state_name`` or key, else its kind and
+    shape), the expected and the actual.
+
+    Checks: ``format`` registered, ``signed`` a bool, ``rounding`` implemented by the format for that
+    signedness, ``block_size`` an int the format takes and at most :data:`MAX_BLOCK_SIZE`, ``dtype`` an
+    appearance dtype (:data:`APPEARANCE_DTYPES`), ``shape`` and ``row_len`` ints >= 0; ``codes`` plain
+    ``uint8 [R, format.packed_width(row_len)]`` with ``R`` and ``row_len`` the layout of ``shape``
+    (``R == shape[0]`` and no padding for ``ndim >= 2``, else less than a row of padding), ``scale``
+    ``float32 [R, ceil(row_len / block_size)]``, ``qmap`` present exactly for formats with a map,
+    ``float32`` of the map's shape, every part on one device. With ``values`` (and where the parts can be
+    read: not fake, meta or traced tensors) also the values: no scale below 0 (NaN and ``+inf`` are
+    allowed, module docstring) and the map equal to the format's (``fmt.make_qmap(signed)``).
+
+    Where a state saved with an earlier map of its format would be accepted and converted, this is the
+    place: the map comparison (:func:`_check_qmap`).
+    """
+    def fail(what: str) -> None:
+        if name:
+            who = f"QuantizedState {name!r}"
+        elif isinstance(format, str) and isinstance(signed, bool) and _is_int(block_size) and isinstance(rounding, str):
+            who = f"QuantizedState ({quantized_kind(format, signed, block_size, rounding)}, shape {tuple(shape)})"
+        else:
+            who = f"QuantizedState (shape {tuple(shape)})"
+        raise ValueError(f"{who}: {what}")
+
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(_is_int(n) or isinstance(n, torch.SymInt)
+                                                                   for n in shape):
+        raise ValueError(f"QuantizedState: shape: expected a sequence of ints, got {shape!r}")
+    if not isinstance(format, str) or format not in FORMATS:
+        fail(f"format: expected one of {sorted(FORMATS)}, got {format!r}")
+    fmt = FORMATS[format]
+    if not isinstance(signed, bool):
+        fail(f"signed: expected a bool, got {signed!r}")
+    if not isinstance(rounding, str):
+        fail(f"rounding: expected a str, got {rounding!r}")
+    try:
+        fmt.check_rounding(rounding, signed)
+    except ValueError as e:
+        fail(f"rounding: {e}")
+    if not _is_int(block_size) or not 0 < block_size <= MAX_BLOCK_SIZE:
+        fail(f"block_size: expected an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+    try:
+        fmt.check_block_size(block_size)
+    except ValueError as e:
+        fail(f"block_size: {e}")
+    if dtype not in APPEARANCE_DTYPES:
+        fail(f"dtype: expected one of {list(APPEARANCE_DTYPES)} (the appearance dtype), got {dtype!r}")
+    parts = {"codes": codes, "scale": scale}
+    if qmap is not None:
+        parts["qmap"] = qmap
+    for part, t in parts.items():
+        if not isinstance(t, Tensor) or isinstance(t, QuantizedState):
+            fail(f"{part}: expected a plain tensor, got {_spec(t)}")
+    has_map = fmt.make_qmap(signed) is not None
+    if has_map and qmap is None:
+        fail(f"qmap: expected the format's map (float32 [{2 ** fmt.bits}]), got none")
+    if not has_map and qmap is not None:
+        fail(f"qmap: expected none (format {format!r} has no map), got {_spec(qmap)}")
+    devices = {part: t.device for part, t in parts.items()}
+    if len(set(devices.values())) > 1:
+        fail(f"expected every part on one device, got {', '.join(f'{k} on {v}' for k, v in devices.items())}")
+    if codes.dtype != torch.uint8:
+        fail(f"codes: expected dtype torch.uint8, got {_spec(codes)}")
+    if scale.dtype != torch.float32:
+        fail(f"scale: expected dtype torch.float32, got {_spec(scale)}")
+    if qmap is not None and (qmap.dtype != torch.float32 or tuple(qmap.shape) != (2 ** fmt.bits,)):
+        fail(f"qmap: expected torch.float32 [{2 ** fmt.bits}], got {_spec(qmap)}")
+    if codes.dim() != 2 or scale.dim() != 2:
+        fail(f"expected 2-D codes and scale, got codes {_spec(codes)}, scale {_spec(scale)}")
+    if not (_is_int(row_len) or isinstance(row_len, torch.SymInt)):
+        fail(f"row_len: expected an int, got {row_len!r}")
+    sizes = [*shape, row_len, *codes.shape, *scale.shape]
+    if not all(_is_int(n) for n in sizes):  # a tracer's symbolic sizes: a comparison would guard on them
+        return
+    if any(n < 0 for n in sizes):
+        fail(f"expected sizes >= 0, got shape {tuple(shape)}, row_len={row_len}")
+    _check_layout(fail, fmt, codes, scale, tuple(shape), row_len, block_size)
+    if values:
+        _check_values(fail, fmt, scale, qmap, signed)
+
+
+def _check_layout(fail, fmt: BlockFormat, codes: Tensor, scale: Tensor, shape: tuple, row_len: int,
+                  block_size: int) -> None:
+    rows, numel = codes.shape[0], math.prod(shape)
+    if len(shape) >= 2:
+        layout_ok = rows == shape[0] and row_len == math.prod(shape[1:])
+        rule = f"{shape[0]} rows of {math.prod(shape[1:])} (one per index of dim 0)"
+    else:
+        layout_ok = rows * row_len == 0 if numel == 0 else row_len > 0 and 0 <= rows * row_len - numel < row_len
+        rule = f"rows of row_len holding {numel} elements with less than a row of padding"
+    if not layout_ok:
+        fail(f"layout: expected {rule}, got {rows} rows of {row_len}")
+    want_codes = (rows, fmt.packed_width(row_len))
+    if tuple(codes.shape) != want_codes:
+        fail(f"codes: expected torch.uint8 {list(want_codes)} ({rows} rows of {row_len} {fmt.bits}-bit codes), "
+             f"got {_spec(codes)}")
+    want_scale = (rows, -(-row_len // block_size))
+    if tuple(scale.shape) != want_scale:
+        fail(f"scale: expected torch.float32 {list(want_scale)} ({rows} rows of blocks of {block_size}), "
+             f"got {_spec(scale)}")
+
+
+def _check_values(fail, fmt: BlockFormat, scale: Tensor, qmap: Optional[Tensor], signed: bool) -> None:
+    if _readable(scale) and scale.numel() and bool((scale < 0).any()):
+        fail(f"scale: expected scales >= 0 (or NaN, +inf), got {float(scale[scale < 0][0])}")
+    if qmap is not None and _readable(qmap):
+        _check_qmap(fail, fmt, qmap, signed)
+
+
+def _check_qmap(fail, fmt: BlockFormat, qmap: Tensor, signed: bool) -> None:
+    """Raise unless ``qmap`` is the format's map for ``signed`` states: codes mean their entries, and
+    every kernel encodes with the format's own tables."""
+    expected = fmt.make_qmap(signed, qmap.device)
+    if not torch.equal(qmap, expected):
+        diff = (qmap != expected).nonzero()
+        first = int(diff[0, 0]) if diff.numel() else 0
+        kind = "signed" if signed else "unsigned"
+        fail(f"qmap: expected format {fmt.name!r}'s map for {kind} states, got another map (entry {first}: "
+             f"expected {float(expected[first])!r}, got {float(qmap[first])!r}); a state saved with an earlier "
+             "map converts with qstate.optim.convert_state_dict")
+
+
 @functools.lru_cache(maxsize=None)
 def _implementation_digest() -> str:
     """A digest of the sources behind a state's ops (the package's Python files), so that a warm
@@ -236,9 +406,11 @@ def _rebuild_quantized_state(
     """Unpickling entry point (registered as a ``torch.load(weights_only=True)`` safe global).
 
     ``rounding`` is last and defaults to ``"nearest"``: states saved before it existed load as before.
+    Every part is checked first (:func:`check_parts`): a file never builds a state the kernels would
+    read past.
     """
-    if rounding != "nearest":  # a format implements it for some signedness only
-        get_format(format).check_rounding(rounding, signed)
+    check_parts(codes, scale, qmap, format=format, signed=signed, block_size=block_size, row_len=row_len,
+                shape=shape, dtype=dtype, rounding=rounding)
     return QuantizedState(
         codes, scale, qmap, format=format, signed=signed, block_size=block_size,
         row_len=row_len, shape=shape, dtype=dtype, rounding=rounding,

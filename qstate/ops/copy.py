@@ -24,9 +24,13 @@ def _parts(q: QuantizedState) -> list[torch.Tensor]:
 
 
 def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torch.Tensor] = None) -> QuantizedState:
-    """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged. ``draws``:
+    """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged (a source
+    state is checked whole, :meth:`QuantizedState.check`, and parts never broadcast). ``draws``:
     stochastic rounding's draws by position for a float ``src`` (``qstate::copy_with_draws_``)."""
     if isinstance(src, QuantizedState):
+        # a state from elsewhere (a checkpoint, a load): whole and valid, never broadcast
+        dst.check(values=False)
+        src.check(src.state_name or (f"source of {dst.state_name}" if dst.state_name else None))
         check_same_kind("copy_", dst, src)
         if tuple(src.shape) != tuple(dst.shape) or (src.rows, src.row_len) != (dst.rows, dst.row_len):
             raise ValueError(
@@ -47,6 +51,10 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
             raise ValueError(f"copy_with_draws_: expected draws of shape {tuple(dst.shape)}, got "
                              f"{tuple(draws.shape)} [{dst.describe()}]")
         codes, scale = encode_like(dst, src, draws if dst.rounding == "stochastic" else None)
+    if codes.shape != dst.codes.shape or scale.shape != dst.scale.shape:  # never a broadcast
+        raise ValueError(f"copy_: expected codes {list(dst.codes.shape)} and scales {list(dst.scale.shape)} "
+                         f"(the destination's), got codes {list(codes.shape)} and scales {list(scale.shape)} "
+                         f"[{dst.describe()}]")
     dst.codes.copy_(codes)
     dst.scale.copy_(scale)
     return dst
@@ -58,6 +66,7 @@ def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, QuantizedState):
         return copy_into_state(dst, src)
+    src.check()  # a state read into a plain tensor: whole and valid, as one copied into a state
     return dst.copy_(src.dequantize(torch.float32))
 
 
@@ -69,6 +78,7 @@ def _copy_with_draws(cls, func, types, args, kwargs):
     if isinstance(dst, QuantizedState):
         copy_into_state(dst, src, draws)
     else:  # a plain dst, a quantized src: the src's values
+        src.check()
         dst.copy_(src.dequantize(torch.float32))
 
 

@@ -66,7 +66,9 @@ argument checks and static flags; everything else lives here:
   anything: its layout (``state``/``param_groups``, group and parameter
   counts), every parameter's states (each of the rule's, plus ``step``, of
   exactly the kind this optimizer would create: format, signedness, block
-  size, rounding, dtype, shape) and the policy options
+  size, rounding, dtype (a quantized state's appearance dtype included), shape;
+  a quantized state's parts as well: :meth:`~qstate.QuantizedState.check`)
+  and the policy options
   (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
   ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
   mismatch raises ``ValueError`` naming the parameter (or group and option),
@@ -88,7 +90,7 @@ from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
 from .._dtensor import local_of, state_kind
-from .._state import quantized_kind
+from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
@@ -325,7 +327,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return torch.zeros_like(like, dtype=kind.dtype, memory_format=torch.preserve_format)
 
     def _check_state(self, p: Tensor, group: dict, index: int, name: str, value: Any) -> None:
-        """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates."""
+        """Raise unless ``value`` is the state ``name`` of ``p`` that ``group``'s policy creates: its kind,
+        shape and appearance dtype, and for a quantized state (or a DTensor's local one) its parts
+        (:meth:`~qstate.QuantizedState.check`: codes, scales and map of its layout, scales >= 0, the
+        format's map), so that no kernel reads a state past its buffers."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
         specs = {s.name: s for s in self.rule.states(self._flags(group))}
@@ -348,6 +353,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                              f"min_quantize_numel={group['min_quantize_numel']}), got {got}{_CONVERT_HINT}")
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+        local = local_of(value)
+        if isinstance(local, QuantizedState):
+            if value.dtype != torch.float32:  # the appearance dtype of the states it creates (_zero_state)
+                raise ValueError(f"{what}: expected a state that appears as torch.float32 (the optimizer's), "
+                                 f"got {value.dtype}{_CONVERT_HINT}")
+            try:  # its parts: a kernel reads exactly what the layout says
+                local.check()
+            except ValueError as e:
+                raise ValueError(f"{what}: {e}") from None
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
         """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""

@@ -68,6 +68,7 @@ from torch import Tensor
 from .. import _splitmix64 as splitmix64
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
+from .._state import QuantizedState
 from ._codec import _code_thresholds, _floats, get_codec
 from ._cpu_build import compiler as _compiler, load as _load_library
 from ._prepared import PreparedUpdate
@@ -354,6 +355,57 @@ def _table_pointers(kind: StateKind) -> tuple[int, int, int, int, int]:
     return tuple(pointers + [0] * (5 - len(pointers)))
 
 
+def _buffer_error(what: str, expected: str, t: Tensor) -> ValueError:
+    got = f"{t.dtype} {list(t.shape)} on {t.device}" + ("" if t.is_contiguous() else ", not contiguous")
+    return ValueError(f"qstate CPU kernel: {what}: expected {expected}, got {got}")
+
+
+def check_buffers(spec, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> None:
+    """Raise ``ValueError`` unless every buffer the kernel of ``spec`` reads or writes is what it takes: a
+    contiguous CPU parameter and gradient of ``spec``'s dtypes and one size; plain states of their entry's
+    dtype and the parameter's size; quantized states of their entry's format, block size and signedness
+    over ``uint8 [rows, packed_width(row_len)]`` codes and ``float32 [rows, ceil(row_len / block_size)]``
+    scales, contiguous, in one row layout that holds exactly the parameter's elements. The kernel trusts
+    these sizes (the strides it is given are the codes' and scales' widths): this is what keeps it inside
+    its buffers, whatever state reached it. Run when a call is prepared (:func:`run`); a prepared call
+    runs again only while its buffers are unchanged (:meth:`._prepared.PreparedUpdate.valid`)."""
+    numel = p.numel()
+    if len(states) != len(spec.states):
+        raise ValueError(f"qstate CPU kernel: expected {len(spec.states)} states, got {len(states)}")
+    if type(p) not in (Tensor, torch.nn.Parameter) or p.dtype != spec.param_dtype or p.device.type != "cpu" \
+            or not p.is_contiguous():
+        raise _buffer_error("param", f"a contiguous CPU {spec.param_dtype} tensor", p)
+    if type(g) is not Tensor or g.dtype not in _DTYPES or g.device.type != "cpu" or not g.is_contiguous() \
+            or g.numel() != numel:
+        raise _buffer_error("grad", f"a contiguous CPU float32 or bfloat16 tensor of {numel} elements", g)
+    layout = None
+    for i, (kind, s) in enumerate(zip(spec.states, states)):
+        what = f"state {i}" + (f" ({s.state_name!r})" if getattr(s, "state_name", None) else "")
+        if not kind.quantized:
+            if type(s) is not Tensor or s.dtype != kind.dtype or s.device.type != "cpu" or not s.is_contiguous() \
+                    or s.numel() != numel:
+                raise _buffer_error(what, f"a contiguous CPU {kind.dtype} tensor of {numel} elements", s)
+            continue
+        if type(s) is not QuantizedState or StateKind.of(s) != kind:
+            got = s.kind() if isinstance(s, QuantizedState) else f"a {type(s).__name__}"
+            raise ValueError(f"qstate CPU kernel: {what}: expected a {kind.format} state, signed={kind.signed}, "
+                             f"block_size={kind.block_size}, rounding={kind.rounding} (the kernel's), got {got}")
+        rows, row_len = s.codes.shape[0] if s.codes.dim() == 2 else -1, s.row_len
+        layout = (rows, row_len) if layout is None else layout
+        if (rows, row_len) != layout or rows * row_len != numel:
+            raise ValueError(f"qstate CPU kernel: {what}: expected {layout[0]} rows of {layout[1]} holding the "
+                             f"param's {numel} elements, got {rows} rows of {row_len}")
+        fmt = get_format(kind.format)
+        codes = (rows, fmt.packed_width(row_len))
+        if s.codes.dtype != torch.uint8 or tuple(s.codes.shape) != codes or s.codes.device.type != "cpu" \
+                or not s.codes.is_contiguous():
+            raise _buffer_error(f"{what} codes", f"contiguous CPU torch.uint8 {list(codes)}", s.codes)
+        scale = (rows, -(-row_len // kind.block_size))
+        if s.scale.dtype != torch.float32 or tuple(s.scale.shape) != scale or s.scale.device.type != "cpu" \
+                or not s.scale.is_contiguous():
+            raise _buffer_error(f"{what} scale", f"contiguous CPU torch.float32 {list(scale)}", s.scale)
+
+
 def state_slots(spec, p: Tensor, states: Sequence[Tensor], tables: Sequence[tuple]) -> tuple[ctypes.Array, int, int]:
     """The kernel's ``qstate_t`` array for ``states`` (``tables``: :func:`_table_pointers` of each
     entry of ``spec``), and the ``rows`` / ``row_len`` it runs over."""
@@ -400,6 +452,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     if loaded is None:
         loaded = _LIBS[spec, g.dtype] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
     dll, tables = loaded
+    check_buffers(spec, p, g, states)
     arr, rows, row_len = state_slots(spec, p, states, tables)
     call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len, start)
     call(p, g, hyper, (param_key() if key is None else key) if call.sr else 0)

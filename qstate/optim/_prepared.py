@@ -9,8 +9,10 @@ finds it with :func:`registered_call` and runs it after identity and pointer che
 (:meth:`PreparedUpdate.valid`), instead of re-deriving the kernel spec, re-checking
 every state and re-building the arguments.
 
-Validity: a call is valid while the parameter object and its storage, the
-state objects and their buffers and maps, and the gradient's dtype, shape,
+Validity: a call is valid while the parameter object and its storage and
+shape, the state objects and their buffers (address and size in bytes:
+what the kernel was checked against when the call was prepared) and maps,
+and the gradient's dtype, shape,
 contiguity and device are those it was prepared for; any change runs the
 full path, which prepares a new call. A call keeps the rule it was built for
 (its name, static flags and stochastic rounding: checked against the caller's) and,
@@ -46,13 +48,17 @@ Hyper = Union[Tensor, Sequence[float]]
 
 
 def _buffers(states: Sequence[Tensor]) -> tuple[int, ...]:
-    """The data pointers a prepared call holds for ``states`` (codes and scales, or plain values)."""
+    """The buffers a prepared call holds for ``states`` (codes and scales, or plain values): each one's
+    data pointer and size in bytes, which the kernel was checked against when the call was prepared (a
+    buffer replaced by one of another size at the same address is another buffer; the sizes cost about
+    a third of the data pointers' time, against two thirds more for shapes and strides)."""
     out: list[int] = []
     for s in states:
         if type(s) is Tensor:
-            out.append(s.data_ptr())
+            out += (s.data_ptr(), s.nbytes)
         else:
-            out += (s.codes.data_ptr(), s.scale.data_ptr())
+            codes, scale = s.codes, s.scale
+            out += (codes.data_ptr(), codes.nbytes, scale.data_ptr(), scale.nbytes)
     return tuple(out)
 
 
@@ -103,6 +109,8 @@ class PreparedUpdate:
             if ref() is not s:
                 return False
         if p.data_ptr() != self.p_ptr or p.dtype is not self.p_dtype or not p.is_contiguous():
+            return False
+        if p.shape != self.g_shape:  # the parameter's shape when the call was prepared (its gradient's)
             return False
         if type(g) is not Tensor or g.dtype is not self.g_dtype or g.shape != self.g_shape:
             return False
