@@ -136,8 +136,8 @@ def legacy_map_name(qmap: Optional[Tensor]) -> Optional[str]:
     must fail and point at :func:`qstate.optim.convert_state_dict`, which re-encodes it. Loaders call
     this on each state's map (a plain tensor; a DTensor state's local map).
     """
-    if qmap is None or qmap.dim() != 1:
-        return None
+    if type(qmap) is not Tensor or qmap.dim() != 1 or qmap.device.type == "meta" or torch.compiler.is_compiling():
+        return None  # no map, or one whose values cannot be read (fake, meta, traced)
     for name, legacy in _LEGACY_MAPS.items():
         if qmap.numel() == legacy.numel() and torch.equal(qmap.detach().to("cpu", torch.float32), legacy):
             return name

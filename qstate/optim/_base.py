@@ -92,6 +92,7 @@ from .._state import quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
+from ..formats.map_formats import legacy_map_name
 from . import _step
 from ._rules import UpdateRule
 from ._state_kind import StateKind
@@ -348,6 +349,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                              f"min_quantize_numel={group['min_quantize_numel']}), got {got}{_CONVERT_HINT}")
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+        legacy = legacy_map_name(getattr(local_of(value), "qmap", None))
+        if legacy is not None:
+            raise ValueError(f"{what}: stored with {legacy}, a map states no longer use; "
+                             f"qstate.optim.convert_state_dict(state_dict, optimizer) re-encodes it")
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
         """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""
