@@ -375,10 +375,12 @@ def _check_values(fail, fmt: BlockFormat, scale: Tensor, qmap: Optional[Tensor],
 
 
 def _check_qmap(fail, fmt: BlockFormat, qmap: Tensor, signed: bool) -> None:
-    """Raise unless ``qmap`` is the format's map for ``signed`` states: codes mean their entries, and
-    every kernel encodes with the format's own tables."""
+    """Raise unless ``qmap`` is the format's map for ``signed`` states (codes mean their entries, and
+    every kernel encodes with the format's own tables) or a legacy map of it
+    (:func:`~qstate.formats.map_formats.legacy_map_name`): such a state loads only to be converted
+    (``qstate.optim.convert_state_dict``); the optimizers and a state-to-state ``copy_`` refuse it."""
     expected = fmt.make_qmap(signed, qmap.device)
-    if not torch.equal(qmap, expected):
+    if not torch.equal(qmap, expected) and legacy_map_name(qmap) is None:
         diff = (qmap != expected).nonzero()
         first = int(diff[0, 0]) if diff.numel() else 0
         kind = "signed" if signed else "unsigned"

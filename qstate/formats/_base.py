@@ -17,15 +17,27 @@ holds the value 0 exactly (its *zero code*), so padding with zero codes adds
 exact zeros. Unsigned formats never decode a positive input as 0: a positive
 value below the smallest positive code rounds *up* to that code, so a second
 moment ``v > 0`` never comes back as 0 (the cause of exploding Adam updates
-with other 8-bit optimizers). Unsigned formats expect ``x >= 0``; negative
+with other 8-bit optimizers). That holds for every ``x > 0``, however far
+below its block's absmax: a nonzero ``x`` whose quotient ``x / scale``
+underflows float32 (a block spanning more than ~1e45) normalizes to the
+smallest subnormal of its sign, ``+-2**-149``, not to 0 (see
+:meth:`BlockFormat.normalize`). Unsigned formats expect ``x >= 0``; negative
 inputs encode as 0.
 
 Rounding: every format rounds to the nearest code (``rounding="nearest"``);
 a format may also implement ``rounding="stochastic"`` (unbiased, see
 :mod:`qstate.formats._rounding`) for the signedness it lists in
 :meth:`BlockFormat.supports_rounding`. A value on a code (0, a block's
-absmax at ``+-max_code`` where the map has it) encodes exactly in both modes,
-so scales and zero blocks do not depend on the mode.
+absmax at ``+-max_code``) encodes exactly in both modes, so scales and zero
+blocks do not depend on the mode.
+
+Re-encoding is a fixed point: for every format, signedness and rounding mode,
+``q.copy_(q.dequantize())`` keeps every code and every scale bit for bit
+(where the decoded values are normal floats or zero). A block's absmax
+element is stored exactly (every format has ``+-max_code``), so the decoded
+block has the same absmax and scale (``fp8``: see :meth:`BlockFormat.scale_of`);
+every other decoded value normalizes to its code's value or one of that
+value's neighbouring floats, which both modes encode as that code.
 
 Non-finite values: a block's absmax is ``+inf`` if the block holds an
 infinity, else NaN if it holds a NaN (:func:`block_absmax`), so its scale is
@@ -55,7 +67,7 @@ from torch import Tensor
 
 from ._rounding import ROUNDINGS
 
-__all__ = ["BlockFormat", "block_absmax"]
+__all__ = ["BlockFormat", "block_absmax", "nonzero_quotient"]
 
 
 def block_absmax(magnitudes: Tensor, amax: Optional[Tensor] = None) -> Tensor:
@@ -67,6 +79,14 @@ def block_absmax(magnitudes: Tensor, amax: Optional[Tensor] = None) -> Tensor:
     """
     amax = magnitudes.amax(-1) if amax is None else amax
     return torch.where((magnitudes == math.inf).any(-1), math.inf, amax)
+
+
+def nonzero_quotient(x: Tensor, divisor: Tensor) -> Tensor:
+    """``x / divisor`` (float32), with ``+-2**-149`` (the sign of the quotient, which is ``x``'s for a
+    positive divisor) where the quotient underflows to 0 but ``x`` is not 0: its bits or 1."""
+    y = x / divisor
+    underflow = (y == 0) & (x != 0)
+    return (y.view(torch.int32) | underflow.to(torch.int32)).view(torch.float32)
 
 
 def _all_finite_on_cpu(amax: Tensor) -> bool:
@@ -125,20 +145,29 @@ class BlockFormat:
 
     # -- block handling (shared) --------------------------------------
     def scale_of(self, absmax: Tensor) -> Tensor:
-        """Block scales of block absmaxes (:func:`block_absmax`): ``absmax / max_code``."""
+        """Block scales of block absmaxes (:func:`block_absmax`): ``absmax / max_code``.
+
+        A format whose ``max_code`` is not 1 must make this a fixed point of decoding: the
+        scale of ``fl(max_code * s)`` must be ``s`` for every ``s`` it returns (``fp8``'s is)."""
         return absmax / self.max_code if self.max_code != 1.0 else absmax
 
     def normalize(self, blocks: Tensor, scale: Tensor) -> Tensor:
         """Normalized values of ``blocks`` (``[..., block]``) under their ``scale`` (``[...]``).
 
-        ``x / scale`` (``x`` itself for a zero block), except where that is NaN, which happens
-        only in blocks whose scale is infinite or NaN: there ``x`` clamped to
-        ``[-max_code, max_code]`` (an infinity takes ``+-max_code``), 0 for a NaN ``x`` (see the
-        module docstring). Every path that encodes (this, the compiled kernels, the C kernel's
-        ``normalized``) uses this rule.
+        ``x / scale`` (``x`` itself for a zero block), except
+
+        * where that underflows to 0 for a nonzero ``x``: the smallest subnormal of ``x``'s
+          sign, ``+-2**-149`` (:func:`nonzero_quotient`), so that an unsigned state's positive
+          value never takes the zero code;
+        * where it is NaN, which happens only in blocks whose scale is infinite or NaN: there
+          ``x`` clamped to ``[-max_code, max_code]`` (an infinity takes ``+-max_code``), 0 for a
+          NaN ``x`` (see the module docstring).
+
+        Every path that encodes (this, the compiled kernels, the C kernel's ``normalized`` and its
+        vector encodes) uses this rule.
         """
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        y = blocks / safe.unsqueeze(-1)
+        y = nonzero_quotient(blocks, safe.unsqueeze(-1))
         lost = blocks.clamp(-self.max_code, self.max_code).nan_to_num(0.0)
         return torch.where(y.isnan(), lost, y)
 
@@ -183,7 +212,7 @@ class BlockFormat:
         amax = magnitudes.amax(dim=-1)
         if _all_finite_on_cpu(amax):  # the same results, without the passes non-finite blocks need
             scale = self.scale_of(amax)
-            y = blocks / torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1)
+            y = nonzero_quotient(blocks, torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1))
         else:
             scale = self.scale_of(block_absmax(magnitudes, amax))
             y = self.normalize(blocks, scale)

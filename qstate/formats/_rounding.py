@@ -27,21 +27,29 @@ entries:
      into a state): ``h = lowbias32(bits(y))``, ``y``'s float32 bit pattern.
 
 2. ``c``: the largest code with ``qmap[c] <= y``, clamped to ``[0, n - 2]``
-   (0 for ``y`` below ``qmap[0]``: the signed 8bit map has no -1);
+   (0 for ``y`` below ``qmap[0]``, ``n - 2`` for ``y`` at or above ``qmap[n - 1]``);
    ``lo = qmap[c]``, ``hi = qmap[c + 1]``.
-3. The code is ``c + 1`` if ``y >= hi``, ``c`` if ``y <= lo``, and otherwise
-   ``c + 1`` iff ``float(h >> 8) * (hi - lo) < (y - lo) * 2**24``, evaluated
-   in float32 with IEEE round-to-nearest-even, each product and difference
-   rounded on its own (no fused multiply-add; ``float(h >> 8)`` is exact).
+3. With ``r(v)`` the rank of a float32 ``v`` (``bits(v)`` for ``v >= 0``,
+   ``-(bits(v) & 0x7fffffff)`` for ``v < 0``: neighbouring floats differ by
+   1, ``-0.0`` and ``0.0`` both rank 0), the code is ``c + 1`` if ``r(y) >=
+   r(hi) - 1``, else ``c`` if ``r(y) <= r(lo) + 1``, and otherwise ``c + 1``
+   iff ``float(h >> 8) * (hi - lo) < (y - lo) * 2**24``, evaluated in float32
+   with IEEE round-to-nearest-even, each product and difference rounded on
+   its own (no fused multiply-add; ``float(h >> 8)`` is exact).
 
 Properties:
 
 * unbiased: over ``h`` uniform in ``[0, 2**32)``, ``P(c + 1) = (y - lo) / (hi
   - lo)`` up to float32 rounding (``2**-24`` relative), so the expected
   decoded value is ``y``;
-* values on a map entry encode exactly, with no randomness: 0 and -0.0
-  (zero blocks, padding), and ``+-1`` (a block's absmax, so ``scale`` is
-  unaffected); values outside ``[qmap[0], qmap[n - 1]]`` take the end code;
+* values on a map entry, or one float away from one, encode as that entry,
+  with no randomness: 0 and -0.0 (zero blocks, padding), ``+-1`` (a block's
+  absmax, so ``scale`` is unaffected: every map here has both), and a decoded
+  value normalized again: ``(q * s) / s`` for an entry ``q`` and a scale
+  ``s`` is ``q`` or one of its two neighbouring floats (two roundings of at
+  most ``2**-24`` relative each, where ``q * s`` is a normal float), so
+  re-encoding a decoded state is a fixed point in this mode as in
+  ``nearest``; values outside ``[qmap[0], qmap[n - 1]]`` take the end code;
 * by position, the decision depends on ``y``, the key and the element's
   place only: sharding, slicing, the world size and the execution path
   (eager, compiled, C) never change it, and a ``y`` that differs in its last
@@ -62,7 +70,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-__all__ = ["ROUNDINGS", "STATE_KEY_STEP", "lowbias32", "lowbias32_int", "position_hash32", "state_key",
+__all__ = ["ROUNDINGS", "STATE_KEY_STEP", "float_rank", "lowbias32", "lowbias32_int", "position_hash32", "state_key",
            "stochastic_code"]
 
 #: rounding modes of a quantized state; the first is the default
@@ -120,6 +128,13 @@ def position_hash32(key: Union[Tensor, int], index: Tensor) -> Tensor:
     return lowbias32_int((index & MASK32) ^ k_lo ^ high)
 
 
+def float_rank(v: Tensor) -> Tensor:
+    """The rank of float32 ``v`` among the float32 values (int64; the spec's ``r``): ``bits(v)`` for
+    ``v >= 0``, ``-(bits(v) & 0x7fffffff)`` below, so neighbouring floats differ by 1 and both zeros rank 0."""
+    b = v.view(torch.int32).long()
+    return torch.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
 def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     """Stochastically rounded codes of normalized ``y`` (float32) on the sorted ``qmap``.
 
@@ -134,6 +149,7 @@ def stochastic_code(y: Tensor, nearest: Tensor, qmap: Tensor, draws: Optional[Te
     c = floor.clamp(0, n - 2)
     lo, hi = qmap[c], qmap[c + 1]
     draw = ((lowbias32(y) if draws is None else draws) >> 8).float()
-    up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * float(1 << 24)))
+    rank = float_rank(y)
+    up = (rank >= float_rank(hi) - 1) | ((rank > float_rank(lo) + 1) & (draw * (hi - lo) < (y - lo) * float(1 << 24)))
     return c + up.to(c.dtype)
 

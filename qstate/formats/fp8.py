@@ -1,7 +1,9 @@
 """``fp8``: blockwise scale + ``float8_e4m3fn`` codes (stored as their ``uint8`` bits).
 
-``scale = absmax / 448`` (448 is e4m3fn's largest finite value), so a block's
-largest element is exact and the others keep 3 mantissa bits
+``scale = fl(fl(448 * s0) / 448)`` with ``s0 = fl(absmax / 448)`` (448 is
+e4m3fn's largest finite value; :meth:`Float8Format.scale_of`), so a block's
+largest element decodes to ``fl(448 * scale)``, within ``2**-22`` of itself,
+and the others keep 3 mantissa bits
 (relative error <= 2**-4), down to the subnormal step ``2**-9 * scale``.
 Unsigned states round a positive value below that step up to it, never to 0.
 Codes are torch's ``float8_e4m3fn`` conversion of the value clamped to
@@ -35,6 +37,19 @@ class Float8Format(BlockFormat):
     bits = 8
     default_block_size = 256
     max_code = float(torch.finfo(_E4M3).max)
+
+    def scale_of(self, absmax: Tensor) -> Tensor:
+        """``fl(fl(448 * s0) / 448)``, ``s0 = fl(absmax / 448)``: the scale re-encoding keeps.
+
+        A decoded block's absmax is ``fl(448 * scale)``; ``fl(absmax / 448)`` alone would give back
+        a scale one ulp off for 16% of scales, so every re-encode could move it. The map
+        ``s -> fl(fl(448 * s) / 448)`` is idempotent (checked for every float32 mantissa, and it
+        commutes with powers of two down to subnormal scales, which it keeps), so the scale of
+        ``fl(448 * scale)`` is ``scale`` again. ``0``, ``inf`` and NaN stay what they are; every
+        ``absmax`` up to float32's largest keeps a finite scale.
+        """
+        s0 = absmax / self.max_code
+        return (s0 * self.max_code) / self.max_code
 
     def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
                 draws: Optional[Tensor] = None) -> Tensor:

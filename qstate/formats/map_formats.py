@@ -2,10 +2,31 @@
 
 Maps
 ----
-* ``8bit`` signed / unsigned: the dynamic-tree map of bitsandbytes and of the
-  8-bit optimizers paper (``create_dynamic_map(signed, 7, 8)``): a decimal
-  exponent (1e-6 .. 1) plus a linear fraction, with 0 and 1.0 exact. Codes
-  equal bitsandbytes' ``quantize_blockwise`` codes for the same map.
+* ``8bit`` unsigned: the dynamic-tree map of bitsandbytes and of the 8-bit
+  optimizers paper (``create_dynamic_map(False, 7, 8)``): a decimal exponent
+  (1e-6 .. 1) plus a linear fraction, with 0 and 1.0 exact. Codes equal
+  bitsandbytes' ``quantize_blockwise`` codes for the same map.
+* ``8bit`` signed: :func:`mirrored_dynamic_map`, the positive half of
+  bitsandbytes' signed dynamic map (``create_dynamic_map(True, 7, 8)``: 127
+  entries from 5.5e-7 to 0.99297, and 1.0), 0, and the mirror image of that
+  half without its smallest entry: 127 negative entries from -1.0 to -3.25e-6.
+  Storage rule: **both extremes are exact**, ``-1`` and ``+1``. A block's
+  absmax element decodes to itself whatever its sign, so decoding and
+  re-encoding a state changes no code and no scale (a fixed point), and an
+  EMA held at a persistent outlier stays at it. bitsandbytes' map has +1 but
+  not -1: a block whose absmax element is negative stores it as -0.99297
+  times its absmax, every re-encode shrinks it by 0.7% more (-1.0 reads
+  -0.49 after 100 ``copy_(dequantize())``), and an EMA at a persistent
+  negative outlier settles at a biased fixed point (SGD momentum 0.99 with a
+  constant gradient -1 there: -58.5 instead of -100). Mirroring keeps every
+  step between entries what it was (the largest, 0.014, next to +-1); the
+  entry that makes room, -5.5e-7, is the one nearest 0 (negative values under
+  1.6e-6 of the absmax now round to 0 or to -3.25e-6).
+  bitsandbytes' map itself is :data:`LEGACY_SIGNED_8BIT_MAP`: states that carry it
+  (checkpoints written before this map) are refused by the optimizers and
+  the fused kernels, and :func:`qstate.optim.convert_state_dict` rewrites
+  them (decoded with their map, encoded with this one); see
+  :func:`legacy_map_name`.
 * ``4bit`` signed: :func:`normal_map`, the 16-entry "NormalFloat" map of QLoRA
   (quantiles of a normal distribution): exact 0 and exact -1 and +1, 7
   negative and 8 positive entries, steps of 0.08 .. 0.30 of the block's absmax.
@@ -43,7 +64,8 @@ from torch import Tensor
 from ._base import BlockFormat
 from ._rounding import stochastic_code
 
-__all__ = ["MapFormat", "nearest_code", "dynamic_map", "normal_map", "square_map", "EIGHT_BIT", "FOUR_BIT"]
+__all__ = ["MapFormat", "nearest_code", "dynamic_map", "mirrored_dynamic_map", "normal_map", "square_map", "EIGHT_BIT",
+           "FOUR_BIT"]
 
 
 def nearest_code(y: Tensor, qmap: Tensor) -> Tensor:
@@ -85,6 +107,41 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
     data += [0.0] * (2**total_bits - len(data))
     data.sort()
     return torch.tensor(data, dtype=torch.float32)
+
+
+def mirrored_dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
+    """The signed map of the ``8bit`` format, sorted, ``float32`` (module docstring).
+
+    The positive half of ``dynamic_map(True, max_exponent_bits, total_bits)`` (1.0 included), 0, and
+    the negatives of that half but its smallest entry: exact -1, 0 and +1, every step between
+    neighbours the same on both sides but for the two entries nearest 0 on the negative side.
+    """
+    positive = dynamic_map(True, max_exponent_bits, total_bits)
+    positive = positive[positive > 0]
+    return torch.cat([-positive[1:].flip(0), torch.zeros(1), positive])
+
+
+#: bitsandbytes' signed dynamic map, ``dynamic_map(True, 7, 8)``: the signed ``8bit`` map of
+#: checkpoints written before :func:`mirrored_dynamic_map` (no -1). Never used to encode.
+LEGACY_SIGNED_8BIT_MAP = dynamic_map(True, 7, 8)
+_LEGACY_MAPS = {"the signed 8bit map of bitsandbytes' create_dynamic_map(True, 7, 8) (no -1)": LEGACY_SIGNED_8BIT_MAP}
+
+
+def legacy_map_name(qmap: Optional[Tensor]) -> Optional[str]:
+    """A description of ``qmap`` if it is a map that states no longer use (:data:`LEGACY_SIGNED_8BIT_MAP`),
+    else ``None``.
+
+    A state carries its map (``QuantizedState.qmap``); a state stored with a legacy map decodes
+    correctly with it, but no format encodes with it any more, so loading one into an optimizer
+    must fail and point at :func:`qstate.optim.convert_state_dict`, which re-encodes it. Loaders call
+    this on each state's map (a plain tensor; a DTensor state's local map).
+    """
+    if type(qmap) is not Tensor or qmap.dim() != 1 or qmap.device.type == "meta" or torch.compiler.is_compiling():
+        return None  # no map, or one whose values cannot be read (fake, meta, traced)
+    for name, legacy in _LEGACY_MAPS.items():
+        if qmap.numel() == legacy.numel() and torch.equal(qmap.detach().to("cpu", torch.float32), legacy):
+            return name
+    return None
 
 
 #: QLoRA's outermost NF4 quantile, ``1 - (1/32 + 1/30) / 2`` (rounded as QLoRA has it)
@@ -184,5 +241,5 @@ class MapFormat(BlockFormat):
         return scale_per_element * worst
 
 
-EIGHT_BIT = MapFormat("8bit", 8, 256, dynamic_map(True, 7, 8), dynamic_map(False, 7, 8))
+EIGHT_BIT = MapFormat("8bit", 8, 256, mirrored_dynamic_map(7, 8), dynamic_map(False, 7, 8))
 FOUR_BIT = MapFormat("4bit", 4, 128, normal_map(), square_map())

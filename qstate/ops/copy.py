@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from .._library import LIBRARY
 from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
+from ..formats.map_formats import legacy_map_name
 from .._op_table import register
 from ._util import aten, check_same_kind
 
@@ -37,6 +38,11 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
                 f"copy_: expected a state of shape {tuple(dst.shape)} stored as {dst.rows} rows of "
                 f"{dst.row_len}, got shape {tuple(src.shape)} stored as {src.rows} rows of {src.row_len}"
             )
+        legacy = legacy_map_name(src.qmap)
+        if legacy != legacy_map_name(dst.qmap):  # codes copied as they are must index the same map
+            raise ValueError(f"copy_: the source state is stored with {legacy or 'its format map'}, the destination "
+                             f"[{dst.describe()}] with {legacy_map_name(dst.qmap) or 'its format map'}; copy its values "
+                             f"(dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict")
         codes, scale = src.codes, src.scale
     else:
         if not src.is_floating_point():

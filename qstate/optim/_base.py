@@ -94,6 +94,7 @@ from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
+from ..formats.map_formats import legacy_map_name
 from . import _step
 from ._rules import UpdateRule
 from ._state_kind import StateKind
@@ -354,6 +355,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         if tuple(value.shape) != tuple(p.shape):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
         local = local_of(value)
+        legacy = legacy_map_name(getattr(local, "qmap", None))
+        if legacy is not None:
+            raise ValueError(f"{what}: stored with {legacy}, a map states no longer use; "
+                             f"qstate.optim.convert_state_dict(state_dict, optimizer) re-encodes it")
         if isinstance(local, QuantizedState):
             if value.dtype != torch.float32:  # the appearance dtype of the states it creates (_zero_state)
                 raise ValueError(f"{what}: expected a state that appears as torch.float32 (the optimizer's), "

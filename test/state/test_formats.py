@@ -231,7 +231,7 @@ def test_stochastic_rounding_keeps_map_values_zero_and_absmax_exact(fmt):
     lo = torch.searchsorted(qmap, y, right=True).clamp(1, qmap.numel() - 1) - 1
     assert bool(((sr == lo) | (sr == lo + 1)).all())
     # blocks: the same scales as round-to-nearest, and the same codes where it is exact: zeros and
-    # each block's absmax element (+-1; the 8bit map has no -1, so there both round to its first entry)
+    # each block's absmax element (+-1, exact in every map)
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
     x[1] = 0
     x[2, :5] = 0

@@ -286,14 +286,23 @@ static inline uint16_t store_p_sr(float x, uint32_t draw) {
         return _mm##W##_cvtepi32_ps(_mm##W##_srli_epi32(h, 8));                           \
     }
 
+/* The rank of x among the floats (qstate/formats/_rounding.py float_rank): neighbouring floats differ by 1,
+ * both zeros rank 0 */
+static inline int32_t float_rank(float x) {
+    const int32_t b = (int32_t)f2u(x);
+    return b < 0 ? -(b & 0x7fffffff) : b;
+}
+
 /* Stochastic rounding of y onto the sorted map from its nearest code c, with the 32-bit draw h (by position:
- * position_hash; qstate/formats/_rounding.py): up with probability (y - lo) / (hi - lo); exact on map entries. */
+ * position_hash; qstate/formats/_rounding.py): up with probability (y - lo) / (hi - lo); exact on map entries
+ * and on their neighbouring floats. */
 static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n, uint32_t h) {
     c -= qmap[c] > y;
     c = c < 0 ? 0 : (c > n - 2 ? n - 2 : c);
     const float lo = qmap[c], hi = qmap[c + 1];
     const float draw = (float)(h >> 8);
-    const int32_t up = (y >= hi) | ((y > lo) & (draw * (hi - lo) < (y - lo) * 16777216.0f));
+    const int32_t r = float_rank(y);
+    const int32_t up = (r >= float_rank(hi) - 1) | ((r > float_rank(lo) + 1) & (draw * (hi - lo) < (y - lo) * 16777216.0f));
     return c + up;
 }
 
@@ -319,21 +328,59 @@ static inline uint8_t fp8_code(float y, int is_signed) {
 /* Whether the values y = x / div of an fp8 block are all numbers below 464 in magnitude, which round to at
  * most 448: then the vector encodes may skip fp8_code's saturation and NaN steps (their ``bounded``). The
  * divisor is the block's scale fl(amax / 448) (or 1 for scale 0) and every |x| <= amax; a finite normal
- * divisor is within 2**-24 of amax / 448, so |y| <= 448 (1 + 2**-23). A subnormal one may be off by far
+ * divisor (Float8Format.scale_of: two more roundings) is within 2**-22 of amax / 448, so |y| <= 448 (1 + 2**-21). A subnormal one may be off by far
  * more (amax 1000 * 2**-149 has the divisor 2 * 2**-149, and y = 500), an infinite or NaN one gives NaN
  * values. */
 static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
 
-/* The normalized value of x in a block of divisor div (BlockFormat.normalize): x / div, except where that is
- * NaN, which only a block whose scale is infinite or NaN gives: there x clamped to [-max_code, max_code] (an
- * infinity takes +-max_code), 0 for a NaN x, so infinities decode to their sign's infinity and everything else
- * in the block to NaN (selects; the vector encodes never see such blocks: NONFINITE_BLOCK) */
-static inline float normalized(float x, float div, float max_code) {
+/* x / div, or the smallest subnormal of its sign where that underflows to 0 for x != 0: the quotient's bits or 1
+ * (qstate/formats/_base.py nonzero_quotient) */
+static inline float nonzero_quotient(float x, float div) {
     const float y = x / div;
+    return u2f(f2u(y) | (uint32_t)(y == 0.0f && x != 0.0f));
+}
+
+/* The normalized value of x in a block of divisor div (BlockFormat.normalize): nonzero_quotient(x, div), except
+ * where that is NaN, which only a block whose scale is infinite or NaN gives: there x clamped to [-max_code,
+ * max_code] (an infinity takes +-max_code), 0 for a NaN x, so infinities decode to their sign's infinity and
+ * everything else in the block to NaN (selects; the vector encodes never see such blocks: NONFINITE_BLOCK) */
+static inline float normalized(float x, float div, float max_code) {
+    const float y = nonzero_quotient(x, div);
     const float clamped = x < -max_code ? -max_code : (x > max_code ? max_code : x);
     const float lost = x != x ? 0.0f : clamped;
     return y != y ? lost : y;
 }
+
+#if HAVE_VBMI
+/* nonzero_quotient and float_rank of 16 values */
+static inline __m512 nonzero_quotient_512(__m512 x, __m512 div) {
+    const __m512 y = _mm512_div_ps(x, div), zero = _mm512_setzero_ps();
+    const __mmask16 under = _mm512_cmp_ps_mask(y, zero, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(x, zero, _CMP_NEQ_UQ);
+    const __m512i b = _mm512_castps_si512(y);
+    return _mm512_castsi512_ps(_mm512_mask_or_epi32(b, under, b, _mm512_set1_epi32(1)));
+}
+static inline __m512i float_rank_512(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x), zero = _mm512_setzero_si512();
+    return _mm512_mask_sub_epi32(b, _mm512_cmplt_epi32_mask(b, zero), zero,
+                                 _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)));
+}
+#endif
+#if HAVE_AVX2
+/* nonzero_quotient and float_rank of 8 values */
+static inline __m256 nonzero_quotient_256(__m256 x, __m256 div) {
+    const __m256 y = _mm256_div_ps(x, div), zero = _mm256_setzero_ps();
+    const __m256 under = _mm256_and_ps(_mm256_cmp_ps(y, zero, _CMP_EQ_OQ), _mm256_cmp_ps(x, zero, _CMP_NEQ_UQ));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(y), _mm256_srli_epi32(_mm256_castps_si256(under), 31)));
+}
+static inline __m256i float_rank_256(__m256 x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)));
+    return _mm256_castps_si256(_mm256_blendv_ps(x, _mm256_castsi256_ps(neg), x));
+}
+#endif
+
+/* an fp8 block's scale of its absmax (Float8Format.scale_of: re-encoding a decoded block keeps it) */
+#define FP8_SCALE(amax, max_code) ((((amax) / (max_code)) * (max_code)) / (max_code))
 
 /* whether a block of divisor div has an infinite or NaN scale: its elements take the scalar encode */
 #define NONFINITE_BLOCK(div) (!((div) < INFINITY))
@@ -525,7 +572,7 @@ static inline enc8_part_t encode8_bucket(const float *restrict x, float div, con
     __mmask32 upper[2];
     __mmask16 neg[4];
     for (int q = 0; q < 4; q++) {
-        y[q] = _mm512_div_ps(_mm512_loadu_ps(x + 16 * q), vdiv);
+        y[q] = nonzero_quotient_512(_mm512_loadu_ps(x + 16 * q), vdiv);
         neg[q] = _mm512_cmp_ps_mask(y[q], vzero, _CMP_LT_OQ);
     }
     for (int h = 0; h < 2; h++) {
@@ -625,8 +672,9 @@ static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr, uint6
     c = _mm512_min_epi32(c, _mm512_set1_epi32(14));
     const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
     const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
-                         (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
+    const __m512i r = float_rank_512(y), r_lo = float_rank_512(lo), r_hi = float_rank_512(hi);
+    const __mmask16 up = _mm512_cmpge_epi32_mask(r, _mm512_sub_epi32(r_hi, one)) |
+                         (_mm512_cmpgt_epi32_mask(r, _mm512_add_epi32(r_lo, one)) &
                           _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
                                              _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)),
                                              _CMP_LT_OQ));
@@ -667,7 +715,7 @@ DEFINE_SR_DRAW(256, _mm256_cmpgt_epi32)
  * at 14 (the map holds y: q_0 = -1, q_15 = 1), and stochastic_code's steps follow, with the draws of the flat
  * indices base .. base + 7 under the state's key (sr_draw_256). Its own start (the nearest
  * code, one down if that entry is above y) is the same pair of a strictly increasing map, but for y equal to an
- * entry q_c: the pair from q_c, where this one is the pair below; both give c (y > lo fails, or y >= hi holds). */
+ * entry q_c: the pair from q_c, where this one is the pair below; both give c (r(y) >= r(hi) - 1 holds, or r(y) <= r(lo) + 1). */
 static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __m256 qmap[2], int sr, uint64_t key,
                                  uint64_t base) {
 #define STEP4(t, step) \
@@ -682,9 +730,10 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
     c = _mm256_min_epi32(c, _mm256_set1_epi32(14));
     const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
     const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i r = float_rank_256(y), r_lo = float_rank_256(lo), r_hi = float_rank_256(hi);
     const __m256 up = _mm256_or_ps(
-        _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
-        _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_sub_epi32(r_hi, _mm256_set1_epi32(2)))),
+        _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_add_epi32(r_lo, one))),
                       _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
                                     _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
     return _mm256_sub_epi32(c, _mm256_castps_si256(up));
@@ -877,7 +926,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         const __m512 vdiv_ = _mm512_set1_ps(div), q_ = _mm512_loadu_ps(qmap##i);          \
         const __m512 t_ = map4_search16(st[i].threshold, qmap##i, S##i##_SR);              \
         for (; (j0) + 16 <= (bn); (j0) += 16) {                                           \
-            const __m512 y_ = _mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_);          \
+            const __m512 y_ = nonzero_quotient_512(_mm512_loadu_ps((x) + (j0)), vdiv_);   \
             const __m512i c_ = map4_code16(y_, t_, q_, S##i##_SR, skey##i, (n0) + (uint64_t)(j0)); \
             /* code 2k | code 2k + 1 << 4 in the low byte of each 64-bit lane */         \
             _mm_storel_epi64((__m128i *)((bp) + (j0) / 2),                                \
@@ -891,7 +940,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
         _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
-                         fp8_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), S##i##_SIGNED, bounded));
+                         fp8_code16(nonzero_quotient_512(_mm512_loadu_ps((x) + (j0)), vdiv_), S##i##_SIGNED, bounded));
 #else
 #define DECLARE_ENC8(i)
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
@@ -900,7 +949,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
 #endif
 #if HAVE_AVX2
-#define DIV8(x, j0) _mm256_div_ps(_mm256_loadu_ps((x) + (j0)), vdiv_)
+#define DIV8(x, j0) nonzero_quotient_256(_mm256_loadu_ps((x) + (j0)), vdiv_)
 /* the code of 8 values y of 8-bit state i (fp8, or a map state rounded to nearest), in 32-bit lanes
  * (bounded: fp8_code8's, for values of an fp8_bounded block) */
 #define CODE8(i, y, bounded) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED, (bounded))                \
@@ -959,7 +1008,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             for (int64_t k = 0; k < bn; k++)                                              \
                 if (fabsf(x[k]) == INFINITY) abits = 0x7f800000u;                         \
         const float amax = u2f(abits);                                                    \
-        const float scale = S##i##_FP8 ? amax / S##i##_MAXCODE : amax;                    \
+        const float scale = S##i##_FP8 ? FP8_SCALE(amax, S##i##_MAXCODE) : amax;           \
         st[i].scale[r * st[i].scale_stride + b0 / S##i##_BS] = scale;                     \
         const float div = scale == 0.0f ? 1.0f : scale;                                   \
         uint8_t *restrict cp = st[i].codes + r * st[i].code_stride;                       \
