@@ -57,6 +57,7 @@ from torch import Tensor
 
 from ._op_table import dispatch
 from .formats import FORMATS, ROUNDINGS, BlockFormat, get_format
+from .formats.map_formats import legacy_map_name
 
 __all__ = ["QuantizedState", "APPEARANCE_DTYPES", "quantized_kind"]
 
