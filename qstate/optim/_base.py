@@ -80,14 +80,15 @@ argument checks and static flags; everything else lives here:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Optional
+import math
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
-from .._dtensor import local_of, state_kind
+from .._dtensor import is_dtensor, local_of, state_kind
 from .._state import quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
@@ -156,6 +157,20 @@ class _Keep:
 
     def __init__(self, value: Tensor):
         self.value = value
+
+
+class _GroupStep(NamedTuple):
+    """One group's part of a step, checked and laid out (``QuantizedOptimizer._prepare_step``): its
+    parameters with gradients, their states and step counts, the states created for it (installed when it
+    runs), its rounding stream and its pending update."""
+
+    group: dict
+    params: list
+    states: list
+    steps: list
+    new_states: dict
+    stream: Any
+    update: Any
 
 
 class QuantizedOptimizer(torch.optim.Optimizer):
@@ -414,6 +429,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         states and step counts keep their bits. With ``skip_nonfinite`` and no ``found_inf`` (a
         scaler's, already checked, is used as it is), the step computes it first: a step whose
         gradients hold an inf or a NaN on any rank is skipped on every rank.
+
+        Checked, then written: every gradient (:func:`~qstate.optim._step.check_grad`), step count
+        and missing state is checked or built, and every group's calls laid out, before the first
+        write (:meth:`_prepare_step`); a failure there raises and leaves parameters, states and step
+        counts as they were (with DTensor parameters on the rank that failed, or on every rank where the
+        step communicates: :meth:`_agree_checks`).
+        While writing, a group's step counts advance only after all its writes returned;
+        an error inside a kernel part way (out of memory) leaves the counts and states it had not
+        created as they were, and the tensors written so far written.
         """
         self._agree_seed()  # first, on every rank: before anything that may skip the step on some rank
         loss = None
@@ -422,45 +446,101 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
-        if found_inf is None and self.skip_nonfinite:
+        # every check, before any write (_agree_checks: which steps tell every rank of a failure)
+        if found_inf is None and self.skip_nonfinite:  # found_non_finite communicates: agree before it
+            error: Optional[Exception] = None
+            try:
+                work = self._prepare_step(grad_scale)
+            except Exception as e:
+                error = e
+            self._agree_checks(error)
             found_inf = found_non_finite(self)
+        else:
+            work = self._prepare_step(grad_scale)
         if _step.skip_step(found_inf):
             return loss
+        for w in work:
+            with w.stream:
+                self._run_group(w)
+        return loss
+
+    def _prepare_step(self, grad_scale: Optional[Tensor]) -> list["_GroupStep"]:
+        """Check every group's update and lay out its calls, creating missing states aside; writes nothing."""
         index = None
         work = []
+        name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
             sr_devices: set[torch.device] = set()
-            params, grads, states, steps = [], [], [], []
+            params, states, steps = [], [], []
+            new: dict[Tensor, dict] = {}
             names = [s.name for s in self.rule.states(self._flags(group))]
             states_sr = _rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    index = index or self._param_index()
-                    raise TypeError(f"{self._describe(index[p], p)}: sparse gradients are not supported")
-                state = self.state[p]
+                state = self.state.get(p)
                 if not state:
                     index = index or self._param_index()
-                    state.update(self._new_states(p, group, index[p]))
+                    state = new[p] = self._new_states(p, group, index[p])
                 params.append(p)
-                grads.append(p.grad)
                 states.append([state[n] for n in names])
                 steps.append(state["step"])
                 if (group["bf16_stochastic_round"] and p.dtype == torch.bfloat16) or states_sr:
                     # keys come from the CPU generator, a device's own draws from its generator
                     sr_devices.update((p.device, _CPU))
-            if params:
-                work.append((gi, group, params, grads, states, steps, sr_devices))
-        for gi, group, params, grads, states, steps, sr_devices in work:
+            if not params:
+                continue
+            index = index or self._param_index()
+            update = _step.prepare_update(self.rule, self._flags(group), params, [p.grad for p in params], states,
+                                          steps, group, lr=group["lr"], compile=self.compile,
+                                          stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
+                                          owner=name, indices=[index[p] for p in params])
             # the step being taken (the counts are CPU tensors) keys the rounding stream
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
-            with stream:
-                _step.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
-                               lr=group["lr"], compile=self.compile,
-                               stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
-        return loss
+            work.append(_GroupStep(group, params, states, steps, new, stream, update))
+        return work
+
+    def _run_group(self, w: "_GroupStep") -> None:
+        """Install ``w``'s new states and write its update; on an error remove the states it installed."""
+        self.state.update(w.new_states)
+        try:
+            w.update.run()
+        except BaseException:
+            for p in w.new_states:
+                del self.state[p]
+            raise
+
+    def _agree_checks(self, error: Optional[Exception]) -> None:
+        """Raise ``error`` (this rank's failure to check a step, or None) and, on every rank of a mesh
+        of a DTensor parameter, raise when any rank of it failed, before anything is written.
+
+        For a step that communicates (Muon's redistributions, ``skip_nonfinite``'s all-reduce): a rank
+        that failed alone would leave the others waiting in its collectives. One all-reduce (MAX) of one flag per mesh dimension
+        of each mesh with more than one rank (the meshes of all parameters, with or without gradients,
+        first seen first: the same on every rank). Where no parameter is a DTensor, only ``error`` is
+        raised. The elementwise optimizers' step calls it only with ``skip_nonfinite``: their update issues
+        no collectives
+        (``test_optim_fsdp.py`` pins it), so a rank that fails its checks raises having written nothing
+        and no rank waits on it; what they check of a DTensor (its dtype, shape, mesh; the step counts,
+        which every rank advances alike) is the same on every rank of a program DTensor accepts.
+        """
+        meshes: dict = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if is_dtensor(p) and p.device_mesh.size() > 1:
+                    meshes.setdefault(p.device_mesh)
+        if meshes:
+            failed = torch.tensor(float(error is not None))
+            for mesh in meshes:
+                failed = failed.to(mesh.device_type)
+                for dim in range(mesh.ndim):
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+            if error is None and bool(failed.item()):
+                raise RuntimeError(f"{type(self).__name__}: the step failed its checks on another rank before any "
+                                   "write; this rank's parameters, states and step counts are unchanged")
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ state_dict
     def _load_pre(self, state_dict: dict) -> dict:
