@@ -202,6 +202,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self._n_params = 0
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
+        self.register_load_state_dict_pre_hook(type(self)._check_loaded_steps)  # after _load_pre's checks
         self.register_load_state_dict_post_hook(type(self)._load_post)
         self.register_load_state_dict_post_hook(type(self)._steps_on_host)
 
@@ -306,13 +307,21 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return StateKind.quantized_as(fmt, bs)
 
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, kept only if the group is valid: its options
+        (:meth:`_check_state_options`, :meth:`_check_group`) and every parameter's state kind
+        (:meth:`plan`); otherwise raise and leave ``param_groups`` as they were."""
+        n_groups = len(self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._check_state_options(group, type(self).__name__)
-        self._check_group(group)
-        first = self._n_params
-        for i, p in enumerate(group["params"]):
-            self.plan(p, group, first + i)
+        try:
+            self._check_state_options(group, type(self).__name__)
+            self._check_group(group)
+            first = self._n_params
+            for i, p in enumerate(group["params"]):
+                self.plan(p, group, first + i)
+        except BaseException:
+            del self.param_groups[n_groups:]
+            raise
         self._n_params += len(group["params"])
 
     def _check_group(self, group: dict) -> None:
@@ -365,8 +374,34 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{what}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
-        """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""
-        return {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
+        """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options;
+        checked as a constructor's arguments are (:meth:`_check_state_options`: ``seed``,
+        ``bf16_stochastic_round``...; :meth:`_check_group`: ``lr``, ``betas``...), naming the group."""
+        group = {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
+        name = type(self).__name__
+        try:
+            self._check_state_options(group, name)
+            self._check_group(group)
+        except (TypeError, ValueError) as e:
+            gi = next(i for i, g in enumerate(self.param_groups) if g is current)
+            message = str(e).removeprefix(f"{name}: ")
+            raise type(e)(f"{name}: the state dict's param group {gi}: {message}") from None
+        return group
+
+    def _check_loaded_steps(self, state_dict: dict) -> None:
+        """Raise unless every step count of ``state_dict`` (checked by :meth:`_load_pre`) is a finite
+        non-negative integer, as a step needs it (:func:`~qstate.optim._step.next_step`); before
+        ``load_state_dict`` changes anything."""
+        index = 0
+        for saved, current in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved["params"], current["params"]):
+                step = (state_dict["state"].get(pid) or {}).get("step")
+                if isinstance(step, Tensor):
+                    value = step.reshape(()).item()
+                    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+                        raise ValueError(f"{self._describe(index, p)}, state 'step': expected a finite non-negative "
+                                         f"integer count, got {value}")
+                index += 1
 
     def _check_loaded(self, state_dict: dict) -> None:
         """Check every state of ``state_dict`` against this optimizer's state policy.
