@@ -254,6 +254,11 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{name}: block_size must be an int or None, got {bs!r}")
         if bs is not None and fmt in PLAIN_FORMATS:
             raise ValueError(f"{name}: block_size={bs} has no meaning for state_format={fmt!r} (plain states)")
+        if bs is not None:  # checked here too: a group none of whose parameters is quantized yet keeps it
+            try:
+                get_format(fmt).check_block_size(bs)
+            except ValueError as e:
+                raise ValueError(f"{name}: state_format={fmt!r} cannot use block_size={bs!r}: {e}") from None
         QuantizedOptimizer._check_rounding_option(group, name)
         n = group["min_quantize_numel"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
