@@ -23,8 +23,16 @@ argument checks and static flags; everything else lives here:
   signed=..., block_size=..., dtype=float32, rounding=...)`` (DTensor
   parameters get DTensor states) or ``torch.zeros_like(p, dtype=...)``;
   ``state["step"]`` is a float32 CPU tensor as in ``torch.optim``.
-* **step**: :func:`qstate.optim._step.apply_update` per group; ``lr`` may
-  be a float or a tensor on any device (converted once per step and device).
+* **step**: :func:`qstate.optim._step.prepare_update` for every group, then
+  each group's update runs; ``lr`` may be a float or a tensor on any device
+  (converted once per step and device). All or nothing: every check (each
+  gradient, step count, missing state, the op's calls) runs before the first
+  write, so a step that raises there leaves parameters, states and counts as
+  they were, and a group's counts advance after all its writes (see
+  :meth:`QuantizedOptimizer.step`). Groups are checked when added or loaded
+  (``add_param_group`` keeps a group only if it is valid; ``load_state_dict``
+  checks loaded groups as constructor arguments and step counts as finite
+  non-negative integers).
 * **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
   ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
   instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
@@ -160,14 +168,10 @@ class _Keep:
 
 
 class _GroupStep(NamedTuple):
-    """One group's part of a step, checked and laid out (``QuantizedOptimizer._prepare_step``): its
-    parameters with gradients, their states and step counts, the states created for it (installed when it
-    runs), its rounding stream and its pending update."""
+    """One group's part of a step, checked and laid out (``QuantizedOptimizer._prepare_step``): the states
+    created for its parameters (installed when it runs), its rounding stream and its pending update
+    (:class:`~qstate.optim._step.PendingUpdate`)."""
 
-    group: dict
-    params: list
-    states: list
-    steps: list
     new_states: dict
     stream: Any
     update: Any
@@ -538,7 +542,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             # the step being taken (the counts are CPU tensors) keys the rounding stream
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
-            work.append(_GroupStep(group, params, states, steps, new, stream, update))
+            work.append(_GroupStep(new, stream, update))
         return work
 
     def _run_group(self, w: "_GroupStep") -> None:
