@@ -12,7 +12,7 @@ call these with their own state tensors.
 
 Paths
 -----
-The path is chosen once per parameter, in :func:`_apply`:
+The path is chosen once per parameter, in :func:`prepare_update`:
 
 * ``compile=True``: the operator ``qstate::fused_update``, one call per step,
   device, variant and DTensor mesh (plain tensors: none) over lists of
