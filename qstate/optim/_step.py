@@ -277,6 +277,7 @@ def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, 
         # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
         # are not all of the types the op's kernels take
         if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+            scalars.eager(step, p.device)  # the rule's scalars of this step: computed (and checked) now
             pending.eager.append(_Member(p, g, st, position, step))
             continue
         eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
