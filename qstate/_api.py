@@ -31,6 +31,19 @@ def _resolve(fmt: str, block_size: Optional[int], signed: bool, rounding: str) -
     return f, bs
 
 
+def _make_qmap(f: BlockFormat, signed: bool, like: Tensor) -> Optional[Tensor]:
+    """``f``'s map for a state of ``like``: on its device, and a fake tensor of ``like``'s
+    ``FakeTensorMode`` when ``like`` is fake (tracing with fake tensors: every part of the state fake,
+    shapes and dtypes exact, no values)."""
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+    qmap = f.make_qmap(signed, like.device)
+    mode = maybe_get_fake_mode(like)
+    if qmap is not None and mode is not None and maybe_get_fake_mode(qmap) is None:
+        qmap = mode.from_tensor(qmap, static_shapes=True)
+    return qmap
+
+
 def _check_appearance(dtype: torch.dtype, what: str) -> None:
     if dtype not in APPEARANCE_DTYPES:
         raise TypeError(
@@ -61,7 +74,12 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     ``rounding`` (``"nearest"`` or ``"stochastic"``, which the map formats
     implement for signed states) is the state's rounding mode, used for ``x``
     and for every later write; a mode the format does not implement raises
-    ``ValueError``.
+    ``ValueError``. ``block_size`` is at most ``2**31 - 1``
+    (:meth:`~qstate.formats.BlockFormat.check_block_size`).
+
+    A fake ``x`` (``torch._subclasses.FakeTensorMode``) gives a state whose parts
+    (``codes``, ``scale``, ``qmap``) are fake tensors of the same mode, with the
+    shapes and dtypes a real ``x`` gives.
     """
     if is_dtensor(x):
         return _on_shards(x, "quantize", lambda t: quantize(
@@ -71,7 +89,7 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     _check_appearance(x.dtype, "quantize")
     f, bs = _resolve(fmt, block_size, signed, rounding)
     rows, row_len = row_layout(x.shape)
-    qmap = f.make_qmap(signed, x.device)
+    qmap = _make_qmap(f, signed, x)
     codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding)
     return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
                           row_len=row_len, shape=x.shape, dtype=x.dtype, rounding=rounding)
@@ -102,7 +120,7 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
     f, bs = _resolve(fmt, block_size, signed, rounding)
     rows, row_len = row_layout(p.shape)
     codes, scale = zero_parts(f, rows, row_len, bs, signed, p.device)
-    return QuantizedState(codes, scale, f.make_qmap(signed, p.device), format=f.name, signed=signed,
+    return QuantizedState(codes, scale, _make_qmap(f, signed, p), format=f.name, signed=signed,
                           block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype, rounding=rounding)
 
 

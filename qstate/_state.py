@@ -62,8 +62,6 @@ from .formats.map_formats import legacy_map_name
 __all__ = ["QuantizedState", "APPEARANCE_DTYPES", "quantized_kind"]
 
 APPEARANCE_DTYPES = (torch.float32, torch.bfloat16)
-#: the largest block size a state may have (a block is padded and buffered whole when it is encoded)
-MAX_BLOCK_SIZE = 2**20
 
 
 class QuantizedState(Tensor):
@@ -270,8 +268,8 @@ def check_parts(
     shape), the expected and the actual.
 
     Checks: ``format`` registered, ``signed`` a bool, ``rounding`` implemented by the format for that
-    signedness, ``block_size`` an int the format takes and at most :data:`MAX_BLOCK_SIZE`, ``dtype`` an
-    appearance dtype (:data:`APPEARANCE_DTYPES`), ``shape`` and ``row_len`` ints >= 0; ``codes`` plain
+    signedness, ``block_size`` an int the format takes (``BlockFormat.check_block_size``), ``dtype``
+    an appearance dtype (:data:`APPEARANCE_DTYPES`), ``shape`` and ``row_len`` ints >= 0; ``codes`` plain
     ``uint8 [R, format.packed_width(row_len)]`` with ``R`` and ``row_len`` the layout of ``shape``
     (``R == shape[0]`` and no padding for ``ndim >= 2``, else less than a row of padding), ``scale``
     ``float32 [R, ceil(row_len / block_size)]``, ``qmap`` present exactly for formats with a map,
@@ -305,8 +303,6 @@ def check_parts(
         fmt.check_rounding(rounding, signed)
     except ValueError as e:
         fail(f"rounding: {e}")
-    if not _is_int(block_size) or not 0 < block_size <= MAX_BLOCK_SIZE:
-        fail(f"block_size: expected an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
     try:
         fmt.check_block_size(block_size)
     except ValueError as e:

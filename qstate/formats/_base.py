@@ -171,9 +171,23 @@ class BlockFormat:
         lost = blocks.clamp(-self.max_code, self.max_code).nan_to_num(0.0)
         return torch.where(y.isnan(), lost, y)
 
+    #: the largest block size (:meth:`check_block_size`)
+    max_block_size: int = 2**31 - 1
+
     def check_block_size(self, block_size: int) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
+        """Raise ``ValueError`` unless ``block_size`` is an int in ``[1, max_block_size]`` (even for
+        4-bit formats).
+
+        :attr:`max_block_size` is ``2**31 - 1``, the int32 range: offsets within a block fit 32-bit
+        indexing. A block never crosses a row, so a block size above the row length stores the same
+        values as the row length, but encoding pads each row to whole blocks: a larger size only costs
+        memory (``block_size=2**40`` would pad every row to 4 TiB of float32).
+        """
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"format '{self.name}': block_size must be a positive int, got {block_size!r}")
+        if block_size > self.max_block_size:
+            raise ValueError(f"format '{self.name}': block_size must be at most {self.max_block_size} (the int32 "
+                             f"range; a block larger than a row only pads it), got {block_size}")
         if self.bits == 4 and block_size % 2:
             raise ValueError(
                 f"format '{self.name}': block_size must be even (two codes per byte), got {block_size}"

@@ -47,8 +47,10 @@ and CUDA graphs, so ``fused`` may be None or True, ``foreach`` None or False,
 
 from __future__ import annotations
 
+import numbers
 from typing import Union
 
+import torch
 from torch import Tensor
 
 __all__ = ["IMPLEMENTATION_OPTIONS", "LR", "check_betas", "check_implementation", "check_lr", "check_non_negative"]
@@ -58,12 +60,21 @@ LR = Union[float, Tensor]
 
 
 def check_lr(name: str, lr) -> None:
+    """torch.optim's checks of ``lr``: a real number, or a one-element real tensor (read once, here),
+    whose value is ``>= 0`` (so not NaN). A tensor ``lr`` may require grad (it is read detached, as
+    torch.optim reads it with ``differentiable=False``)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"{name}: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-        return
-    if not 0.0 <= lr:
-        raise ValueError(f"{name}: invalid learning rate: {lr}")
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise ValueError(f"{name}: a tensor lr must be real, got dtype {lr.dtype}")
+        value = lr.detach().reshape(()).item()
+    elif isinstance(lr, numbers.Real) and not isinstance(lr, bool):
+        value = lr
+    else:
+        raise TypeError(f"{name}: lr must be a float or a one-element tensor, got {type(lr).__name__} {lr!r}")
+    if not 0.0 <= value:
+        raise ValueError(f"{name}: invalid learning rate: {value}")
 
 
 def check_betas(name: str, betas) -> None:

@@ -23,8 +23,16 @@ argument checks and static flags; everything else lives here:
   signed=..., block_size=..., dtype=float32, rounding=...)`` (DTensor
   parameters get DTensor states) or ``torch.zeros_like(p, dtype=...)``;
   ``state["step"]`` is a float32 CPU tensor as in ``torch.optim``.
-* **step**: :func:`qstate.optim._step.apply_update` per group; ``lr`` may
-  be a float or a tensor on any device (converted once per step and device).
+* **step**: :func:`qstate.optim._step.prepare_update` for every group, then
+  each group's update runs; ``lr`` may be a float or a tensor on any device
+  (converted once per step and device). All or nothing: every check (each
+  gradient, step count, missing state, the op's calls) runs before the first
+  write, so a step that raises there leaves parameters, states and counts as
+  they were, and a group's counts advance after all its writes (see
+  :meth:`QuantizedOptimizer.step`). Groups are checked when added or loaded
+  (``add_param_group`` keeps a group only if it is valid; ``load_state_dict``
+  checks loaded groups as constructor arguments and step counts as finite
+  non-negative integers).
 * **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
   ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
   instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
@@ -82,14 +90,15 @@ argument checks and static flags; everything else lives here:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Optional
+import math
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .._api import zeros_like as q_zeros_like
-from .._dtensor import local_of, state_kind
+from .._dtensor import is_dtensor, local_of, state_kind
 from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
@@ -161,6 +170,16 @@ class _Keep:
         self.value = value
 
 
+class _GroupStep(NamedTuple):
+    """One group's part of a step, checked and laid out (``QuantizedOptimizer._prepare_step``): the states
+    created for its parameters (installed when it runs), its rounding stream and its pending update
+    (:class:`~qstate.optim._step.PendingUpdate`)."""
+
+    new_states: dict
+    stream: Any
+    update: Any
+
+
 class QuantizedOptimizer(torch.optim.Optimizer):
     """Base of qstate's optimizers. Subclasses set :attr:`rule` and implement :meth:`_flags`."""
 
@@ -190,6 +209,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self._n_params = 0
         super().__init__(params, defaults)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
+        self.register_load_state_dict_pre_hook(type(self)._check_loaded_steps)  # after _load_pre's checks
         self.register_load_state_dict_post_hook(type(self)._load_post)
         self.register_load_state_dict_post_hook(type(self)._steps_on_host)
 
@@ -241,6 +261,11 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{name}: block_size must be an int or None, got {bs!r}")
         if bs is not None and fmt in PLAIN_FORMATS:
             raise ValueError(f"{name}: block_size={bs} has no meaning for state_format={fmt!r} (plain states)")
+        if bs is not None:  # checked here too: a group none of whose parameters is quantized yet keeps it
+            try:
+                get_format(fmt).check_block_size(bs)
+            except ValueError as e:
+                raise ValueError(f"{name}: state_format={fmt!r} cannot use block_size={bs!r}: {e}") from None
         QuantizedOptimizer._check_rounding_option(group, name)
         n = group["min_quantize_numel"]
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -294,13 +319,21 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         return StateKind.quantized_as(fmt, bs)
 
     def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, kept only if the group is valid: its options
+        (:meth:`_check_state_options`, :meth:`_check_group`) and every parameter's state kind
+        (:meth:`plan`); otherwise raise and leave ``param_groups`` as they were."""
+        n_groups = len(self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._check_state_options(group, type(self).__name__)
-        self._check_group(group)
-        first = self._n_params
-        for i, p in enumerate(group["params"]):
-            self.plan(p, group, first + i)
+        try:
+            self._check_state_options(group, type(self).__name__)
+            self._check_group(group)
+            first = self._n_params
+            for i, p in enumerate(group["params"]):
+                self.plan(p, group, first + i)
+        except BaseException:
+            del self.param_groups[n_groups:]
+            raise
         self._n_params += len(group["params"])
 
     def _check_group(self, group: dict) -> None:
@@ -369,8 +402,34 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{what}: {e}") from None
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
-        """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options."""
-        return {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
+        """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options;
+        checked as a constructor's arguments are (:meth:`_check_state_options`: ``seed``,
+        ``bf16_stochastic_round``...; :meth:`_check_group`: ``lr``, ``betas``...), naming the group."""
+        group = {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
+        name = type(self).__name__
+        try:
+            self._check_state_options(group, name)
+            self._check_group(group)
+        except (TypeError, ValueError) as e:
+            gi = next(i for i, g in enumerate(self.param_groups) if g is current)
+            message = str(e).removeprefix(f"{name}: ")
+            raise type(e)(f"{name}: the state dict's param group {gi}: {message}") from None
+        return group
+
+    def _check_loaded_steps(self, state_dict: dict) -> None:
+        """Raise unless every step count of ``state_dict`` (checked by :meth:`_load_pre`) is a finite
+        non-negative integer, as a step needs it (:func:`~qstate.optim._step.next_step`); before
+        ``load_state_dict`` changes anything."""
+        index = 0
+        for saved, current in zip(state_dict["param_groups"], self.param_groups):
+            for pid, p in zip(saved["params"], current["params"]):
+                step = (state_dict["state"].get(pid) or {}).get("step")
+                if isinstance(step, Tensor):
+                    value = step.reshape(()).item()
+                    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+                        raise ValueError(f"{self._describe(index, p)}, state 'step': expected a finite non-negative "
+                                         f"integer count, got {value}")
+                index += 1
 
     def _check_loaded(self, state_dict: dict) -> None:
         """Check every state of ``state_dict`` against this optimizer's state policy.
@@ -433,6 +492,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         states and step counts keep their bits. With ``skip_nonfinite`` and no ``found_inf`` (a
         scaler's, already checked, is used as it is), the step computes it first: a step whose
         gradients hold an inf or a NaN on any rank is skipped on every rank.
+
+        Checked, then written: every gradient (:func:`~qstate.optim._step.check_grad`), step count
+        and missing state is checked or built, and every group's calls laid out, before the first
+        write (:meth:`_prepare_step`); a failure there raises and leaves parameters, states and step
+        counts as they were (with DTensor parameters on the rank that failed, or on every rank where the
+        step communicates: :meth:`_agree_checks`).
+        While writing, a group's step counts advance only after all its writes returned;
+        an error inside a kernel part way (out of memory) leaves the counts and states it had not
+        created as they were, and the tensors written so far written.
         """
         self._agree_seed()  # first, on every rank: before anything that may skip the step on some rank
         loss = None
@@ -441,45 +509,101 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
-        if found_inf is None and self.skip_nonfinite:
+        # every check, before any write (_agree_checks: which steps tell every rank of a failure)
+        if found_inf is None and self.skip_nonfinite:  # found_non_finite communicates: agree before it
+            error: Optional[Exception] = None
+            try:
+                work = self._prepare_step(grad_scale)
+            except Exception as e:
+                error = e
+            self._agree_checks(error)
             found_inf = found_non_finite(self)
+        else:
+            work = self._prepare_step(grad_scale)
         if _step.skip_step(found_inf):
             return loss
+        for w in work:
+            with w.stream:
+                self._run_group(w)
+        return loss
+
+    def _prepare_step(self, grad_scale: Optional[Tensor]) -> list["_GroupStep"]:
+        """Check every group's update and lay out its calls, creating missing states aside; writes nothing."""
         index = None
         work = []
+        name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
             sr_devices: set[torch.device] = set()
-            params, grads, states, steps = [], [], [], []
+            params, states, steps = [], [], []
+            new: dict[Tensor, dict] = {}
             names = [s.name for s in self.rule.states(self._flags(group))]
             states_sr = _rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    index = index or self._param_index()
-                    raise TypeError(f"{self._describe(index[p], p)}: sparse gradients are not supported")
-                state = self.state[p]
+                state = self.state.get(p)
                 if not state:
                     index = index or self._param_index()
-                    state.update(self._new_states(p, group, index[p]))
+                    state = new[p] = self._new_states(p, group, index[p])
                 params.append(p)
-                grads.append(p.grad)
                 states.append([state[n] for n in names])
                 steps.append(state["step"])
                 if (group["bf16_stochastic_round"] and p.dtype == torch.bfloat16) or states_sr:
                     # keys come from the CPU generator, a device's own draws from its generator
                     sr_devices.update((p.device, _CPU))
-            if params:
-                work.append((gi, group, params, grads, states, steps, sr_devices))
-        for gi, group, params, grads, states, steps, sr_devices in work:
+            if not params:
+                continue
+            index = index or self._param_index()
+            update = _step.prepare_update(self.rule, self._flags(group), params, [p.grad for p in params], states,
+                                          steps, group, lr=group["lr"], compile=self.compile,
+                                          stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
+                                          owner=name, indices=[index[p] for p in params])
             # the step being taken (the counts are CPU tensors) keys the rounding stream
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
-            with stream:
-                _step.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
-                               lr=group["lr"], compile=self.compile,
-                               stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
-        return loss
+            work.append(_GroupStep(new, stream, update))
+        return work
+
+    def _run_group(self, w: "_GroupStep") -> None:
+        """Install ``w``'s new states and write its update; on an error remove the states it installed."""
+        self.state.update(w.new_states)
+        try:
+            w.update.run()
+        except BaseException:
+            for p in w.new_states:
+                del self.state[p]
+            raise
+
+    def _agree_checks(self, error: Optional[Exception]) -> None:
+        """Raise ``error`` (this rank's failure to check a step, or None) and, on every rank of a mesh
+        of a DTensor parameter, raise when any rank of it failed, before anything is written.
+
+        For a step that communicates (Muon's redistributions, ``skip_nonfinite``'s all-reduce): a rank
+        that failed alone would leave the others waiting in its collectives. One all-reduce (MAX) of one flag per mesh dimension
+        of each mesh with more than one rank (the meshes of all parameters, with or without gradients,
+        first seen first: the same on every rank). Where no parameter is a DTensor, only ``error`` is
+        raised. The elementwise optimizers' step calls it only with ``skip_nonfinite``: their update issues
+        no collectives
+        (``test_optim_fsdp.py`` pins it), so a rank that fails its checks raises having written nothing
+        and no rank waits on it; what they check of a DTensor (its dtype, shape, mesh; the step counts,
+        which every rank advances alike) is the same on every rank of a program DTensor accepts.
+        """
+        meshes: dict = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if is_dtensor(p) and p.device_mesh.size() > 1:
+                    meshes.setdefault(p.device_mesh)
+        if meshes:
+            failed = torch.tensor(float(error is not None))
+            for mesh in meshes:
+                failed = failed.to(mesh.device_type)
+                for dim in range(mesh.ndim):
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+            if error is None and bool(failed.item()):
+                raise RuntimeError(f"{type(self).__name__}: the step failed its checks on another rank before any "
+                                   "write; this rank's parameters, states and step counts are unchanged")
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ state_dict
     def _load_pre(self, state_dict: dict) -> dict:

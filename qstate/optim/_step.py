@@ -12,7 +12,7 @@ call these with their own state tensors.
 
 Paths
 -----
-The path is chosen once per parameter, in :func:`_apply`:
+The path is chosen once per parameter, in :func:`prepare_update`:
 
 * ``compile=True``: the operator ``qstate::fused_update``, one call per step,
   device, variant and DTensor mesh (plain tensors: none) over lists of
@@ -59,12 +59,26 @@ converted once per call and device (``lr.to(param.device, float32)``), never
 mixed across devices. Step counts (``state_steps``) are 0-dim tensors,
 incremented in place as in ``torch.optim``'s functional API, or Python ints
 (the 1-based index of this step, left as is).
+
+Checked, then written
+---------------------
+A call is two phases: :func:`prepare_update` checks everything that can be
+checked without writing (each gradient against its parameter: layout, dtype,
+shape, device, DTensor mesh; each step count: a finite non-negative integer)
+and lays out the calls of the op, writing nothing; :meth:`PendingUpdate.run`
+writes the parameters and states, and only after every write returned the
+step counts. So an error of the first phase leaves every tensor as it was,
+and an error inside a kernel while writing (out of memory, a kernel's own
+failure part way through the lists) leaves the step counts as they were, while
+parameters and states already written keep their new values (the op writes
+many tensors in place and cannot undo them).
 """
 
 from __future__ import annotations
 
 import array
-from typing import Optional, Sequence, Union
+import math
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -79,7 +93,8 @@ from ._kernels import KernelSpec
 from ._rules import RULES, UpdateRule
 from ._update import update_eagerly
 
-__all__ = ["SMALL_PLAIN_NUMEL", "apply_update", "check_lists", "skip_step", "unscale_factor"]
+__all__ = ["SMALL_PLAIN_NUMEL", "PendingUpdate", "apply_update", "check_grad", "check_lists", "next_step", "prepare_update",
+           "skip_step", "unscale_factor"]
 
 Scalar = Union[float, Tensor]
 
@@ -148,13 +163,38 @@ class _Scalars:
 _EXACT_COUNTS = frozenset({torch.float32, torch.float64, torch.int32, torch.int64})
 
 
-def _step_of(s: Union[int, Tensor]) -> int:
-    if isinstance(s, Tensor):  # s += 1 as a read and a fill (cheaper than an add's dispatch), same value
-        step = int(s.item()) + 1
-        s.fill_(step)
-        # a count the dtype holds exactly is not read back (others round, as the add would)
-        return step if step < 2**24 and s.dtype in _EXACT_COUNTS else int(s.item())
-    return int(s)
+def next_step(s: Union[int, Tensor], what: str) -> int:
+    """The step a count ``s`` takes now: a tensor count (its value, checked: a finite non-negative
+    integer) plus one, as the count's dtype stores it; a Python int as it is. Writes nothing."""
+    if not isinstance(s, Tensor):
+        return int(s)
+    value = s.item()
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{what}: its step count must be a finite non-negative integer, got {value}")
+    step = int(value) + 1
+    # a count the dtype holds exactly stores ``step`` (others round, as the add would)
+    return step if step < 2**24 and s.dtype in _EXACT_COUNTS else int(s.new_full((), step).item())
+
+
+def check_grad(what: str, p: Tensor, g: Tensor) -> None:
+    """Raise unless ``g`` is a gradient the update takes for ``p``: a strided (dense) real floating-point
+    tensor of ``p``'s shape and device, a DTensor on ``p``'s mesh exactly when ``p`` is one. ``what``
+    (the parameter's name) begins the message."""
+    if g.layout != torch.strided:
+        raise TypeError(f"{what}: sparse gradients are not supported" if g.is_sparse else
+                        f"{what}: expected a strided (dense) gradient, got layout {g.layout}")
+    if not g.is_floating_point():
+        raise TypeError(f"{what}: expected a real floating-point gradient, got {g.dtype}")
+    if g.shape != p.shape:
+        raise ValueError(f"{what}: expected a gradient of shape {tuple(p.shape)}, got {tuple(g.shape)}")
+    if g.device != p.device:
+        raise ValueError(f"{what}: expected a gradient on {p.device}, got {g.device}")
+    if is_dtensor(p) != is_dtensor(g):
+        raise TypeError(f"{what}: expected a {'DTensor' if is_dtensor(p) else 'plain tensor'} gradient as the "
+                        f"parameter, got a {'DTensor' if is_dtensor(g) else 'plain tensor'}")
+    if is_dtensor(p) and g.device_mesh != p.device_mesh:
+        raise ValueError(f"{what}: expected a gradient on the parameter's mesh {p.device_mesh}, "
+                         f"got {g.device_mesh}")
 
 
 @torch.compiler.disable  # runs its own kernels; traced from a caller's torch.compile it is only graph breaks
@@ -172,14 +212,41 @@ def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads:
     ``rule`` must be registered (:func:`~qstate.optim.register_rule`): the fused kernels find it
     by name.
     """
+    _check_registered(rule)
+    if skip_step(found_inf):
+        return
+    prepare_update(rule, flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
+                   stochastic_round=stochastic_round, grad_scale=grad_scale).run()
+
+
+def prepare_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
+                   states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
+                   group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
+                   grad_scale: Optional[Tensor] = None, owner: Optional[str] = None,
+                   indices: Optional[Sequence[int]] = None) -> "PendingUpdate":
+    """Check the update :func:`apply_update` describes and lay out its calls, writing nothing (module
+    docstring: "Checked, then written"); :meth:`PendingUpdate.run` writes it.
+
+    Raises naming a parameter as ``"<owner>: param <index> (shape, dtype)"`` (``owner``: the rule's
+    name by default; ``indices``: each parameter's index, its position in ``params`` by default).
+    """
+    _check_registered(rule)
+    check_lists(rule.name, params=params, grads=grads, states=states, state_steps=state_steps)
+    owner = rule.name if owner is None else owner
+    steps = []
+    for i, (p, g, s) in enumerate(zip(params, grads, state_steps)):
+        what = f"{owner}: param {i if indices is None else indices[i]} (shape {tuple(p.shape)}, {p.dtype})"
+        check_grad(what, p, g)
+        steps.append(next_step(s, what))
+    with torch.no_grad():
+        return _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, compile,
+                        stochastic_round, 1.0 if grad_scale is None else unscale_factor(grad_scale))
+
+
+def _check_registered(rule: UpdateRule) -> None:
     if RULES.get(rule.name) is not rule:
         raise ValueError(f"apply_update: the update rule {rule.name!r} is not registered; register it once "
                          f"with qstate.optim.register_rule(rule)")
-    if skip_step(found_inf):
-        return
-    with torch.no_grad():
-        _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
-               1.0 if grad_scale is None else unscale_factor(grad_scale))
 
 
 def skip_step(found_inf: Optional[Tensor]) -> bool:
@@ -192,25 +259,26 @@ def unscale_factor(grad_scale: Tensor) -> Tensor:
     return grad_scale.detach().double().reciprocal().float()
 
 
-def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
-           grad_unscale) -> None:
+def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, compile, stochastic_round,
+             grad_unscale) -> "PendingUpdate":
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
+    pending = PendingUpdate(rule, flags, scalars, stochastic_round)
     # one qstate::fused_update call per (DTensor mesh or None, eager math?, step, device, sr): its lists
-    batches: dict[tuple, _Batch] = {}
-    keys = _cpu_kernel.ParamKeys()  # the stochastic-rounding keys, by position in ``params``
-    for i, (p, g, st, s) in enumerate(zip(params, grads, states, state_steps)):
-        step = _step_of(s)
+    batches = pending.batches
+    for i, (p, g, st, step) in enumerate(zip(params, grads, states, steps)):
         sr = bool(stochastic_round) and p.dtype == torch.bfloat16
         st = list(st)
-        # draws by position under a key: a bf16 parameter rounding stochastically, or a state
-        key = keys(i) if sr or any(rounds_stochastically(x) for x in st) else None
+        # draws by position under a key: a bf16 parameter rounding stochastically, or a state; the
+        # keys are drawn when the update runs (in its rounding stream), by position in ``params``
+        position = i if sr or any(rounds_stochastically(x) for x in st) else None
         dtensor = is_dtensor(p)
         # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
         # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
         # are not all of the types the op's kernels take
         if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
-            update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key)
+            scalars.eager(step, p.device)  # the rule's scalars of this step: computed (and checked) now
+            pending.eager.append(_Member(p, g, st, position, step))
             continue
         eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
         mesh = p.device_mesh if dtensor else None
@@ -218,18 +286,62 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         batch = batches.get(call)
         if batch is None:
             batch = batches[call] = _Batch(rule, static, sr, scalars, step, p.device, eager, mesh)
-        batch.add(p, g, st, key)
-    for batch in batches.values():
-        try:
-            batch.run()
-        except (LayoutMismatch, RuntimeError) as error:
-            if not _layout_mismatch(error):
-                raise
-            # raised by DTensor's strategy for the op before anything was written: the op takes the others
-            keyed = batch.keyed  # the call's: the strategy checked every member's layout for its draws
-            for p, g, st, key in batch.drop(lambda p, g, st: update_mismatch(p, g, st, keyed) is not None):
-                update_eagerly(rule, flags, p, g, st, scalars.eager(batch.step, p.device), batch.sr, key)
-            batch.run()
+        batch.add(_Member(p, g, st, position, step))
+    pending.counts = [(s, step) for s, step in zip(state_steps, steps) if isinstance(s, Tensor)]
+    return pending
+
+
+class _Member(NamedTuple):
+    """One parameter of an update: its gradient, states, position in the call's lists if it draws by
+    position under a key (:class:`~._cpu_kernel.ParamKeys`), and the step it takes."""
+
+    param: Tensor
+    grad: Tensor
+    states: list
+    position: Optional[int]
+    step: int
+
+
+class PendingUpdate:
+    """An update :func:`prepare_update` checked and laid out: :meth:`run` writes it.
+
+    ``eager``: the members updated op by op; ``batches``: the ``qstate::fused_update`` calls; ``counts``:
+    each tensor step count and the value it takes once every write returned.
+    """
+
+    def __init__(self, rule: UpdateRule, flags: dict, scalars: _Scalars, stochastic_round: bool):
+        self.rule, self.flags, self.scalars, self.stochastic_round = rule, flags, scalars, stochastic_round
+        self.eager: list[_Member] = []
+        self.batches: dict[tuple, _Batch] = {}
+        self.counts: list[tuple[Tensor, int]] = []
+
+    def run(self) -> None:
+        """Write the parameters and states, then the step counts (module docstring: an error while
+        writing leaves the counts as they were). The stochastic-rounding keys are drawn here, from the
+        CPU generator, as the first key is needed."""
+        keys = _cpu_kernel.ParamKeys()
+        with torch.no_grad():
+            for m in self.eager:
+                self._eagerly(m, self.stochastic_round, keys)
+            for batch in self.batches.values():
+                try:
+                    batch.run(keys)
+                except (LayoutMismatch, RuntimeError) as error:
+                    if not _layout_mismatch(error):
+                        raise
+                    # raised by DTensor's strategy for the op before anything was written: the op takes the
+                    # others
+                    keyed = batch.keyed  # the call's: the strategy checked every member's layout for its draws
+                    for m in batch.drop(lambda m: update_mismatch(m.param, m.grad, m.states, keyed) is not None):
+                        self._eagerly(m, batch.sr, keys)
+                    batch.run(keys)
+            for count, step in self.counts:
+                count.fill_(step)  # s += 1 as a fill (cheaper than an add's dispatch), the same value
+
+    def _eagerly(self, m: _Member, sr: bool, keys) -> None:
+        key = None if m.position is None else keys(m.position)
+        update_eagerly(self.rule, self.flags, m.param, m.grad, m.states, self.scalars.eager(m.step, m.param.device),
+                       sr, key)
 
 
 def _replicated(t: Tensor, mesh) -> Tensor:
@@ -277,48 +389,37 @@ class _Batch:
             hyper, self.variant = scalars.hyper(step, device), fused_variant(rule.name, static, sr)
         #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
         self.hyper = hyper if mesh is None else _replicated(hyper, mesh)
-        self.params: list[Tensor] = []
-        self.grads: list[Tensor] = []
-        self.states: list[Tensor] = []
-        #: each parameter's stochastic-rounding key (:class:`~qstate.optim._cpu_kernel.ParamKeys`), if it
-        #: draws by position (a bf16 parameter with ``sr``, a state with stochastic rounding), else None
-        self.keys: list[Optional[int]] = []
+        self.members: list[_Member] = []
 
     @property
     def keyed(self) -> bool:
         """Whether the call passes ``sr_keys`` (some member draws; the others' keys, 0, are not read)."""
-        return any(key is not None for key in self.keys)
+        return any(m.position is not None for m in self.members)
 
-    def add(self, p: Tensor, g: Tensor, states: list[Tensor], key: Optional[int] = None) -> None:
-        self.params.append(p)
-        self.grads.append(g)
-        self.states.extend(states)
-        self.keys.append(key)
+    def add(self, member: _Member) -> None:
+        self.members.append(member)
 
-    def drop(self, which) -> list[tuple[Tensor, Tensor, list[Tensor], Optional[int]]]:
-        """Remove the members ``(param, grad, states)`` for which ``which`` holds, and return them with
-        their keys."""
-        n = len(self.states) // len(self.params)
-        members = [(p, g, self.states[i * n:(i + 1) * n], key)
-                   for i, (p, g, key) in enumerate(zip(self.params, self.grads, self.keys))]
-        self.params, self.grads, self.states, self.keys, dropped = [], [], [], [], []
-        for p, g, st, key in members:
-            if which(p, g, st):
-                dropped.append((p, g, st, key))
-            else:
-                self.add(p, g, st, key)
+    def drop(self, which) -> list[_Member]:
+        """Remove the members for which ``which`` holds, and return them."""
+        members, self.members, dropped = self.members, [], []
+        for m in members:
+            (dropped if which(m) else self.members).append(m)
         return dropped
 
-    def run(self) -> None:
-        if not self.params:
+    def run(self, keys) -> None:
+        """Run the call; ``keys`` (:class:`~._cpu_kernel.ParamKeys`) gives each member's key by position."""
+        if not self.members:
             return
+        params = [m.param for m in self.members]
+        grads = [m.grad for m in self.members]
+        states = [x for m in self.members for x in m.states]
         if not self.keyed:
-            fused_update(self.params, self.grads, self.states, self.hyper, self.variant)
+            fused_update(params, grads, states, self.hyper, self.variant)
             return
-        sr_keys = [splitmix64.as_int64(0 if key is None else key) for key in self.keys]
+        sr_keys = [splitmix64.as_int64(0 if m.position is None else keys(m.position)) for m in self.members]
         # on DTensors each shard draws by its place in the full parameter: its own start
-        starts = [_FIRST] * len(self.params) if self.mesh is None else [flat_starts(p) for p in self.params]
-        fused_update(self.params, self.grads, self.states, self.hyper, self.variant, sr_keys=sr_keys, starts=starts)
+        starts = [_FIRST] * len(params) if self.mesh is None else [flat_starts(p) for p in params]
+        fused_update(params, grads, states, self.hyper, self.variant, sr_keys=sr_keys, starts=starts)
 
 
 #: the ``starts`` of a plain parameter: its first element is the full tensor's

@@ -47,7 +47,7 @@ Storage rules and invariants:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -144,34 +144,83 @@ def muon(params: Sequence[Tensor], grads: Sequence[Tensor], muon_momentum_bufs: 
     ``muon_momentum_bufs[i]`` is ``params[i]``'s momentum: a plain tensor, a signed
     :class:`~qstate.QuantizedState` (``qstate.zeros_like(p, fmt, dtype=torch.float32)``), or a
     DTensor over either with the parameter's placements. Parameters, gradients and buffers
-    are 2-D; everything is checked before anything is written. ``lr`` may be a one-element
-    tensor (read once on the host).
+    are 2-D; everything is checked before anything is written (:func:`_prepare_muon`). ``lr`` may be
+    a one-element tensor (read once on the host).
     """
     if foreach:
         raise RuntimeError("Muon: foreach=True is not supported; Muon updates one matrix at a time")
     if has_complex:
         raise ValueError("Muon: complex parameters are not supported")
-    if not len(params) == len(grads) == len(muon_momentum_bufs):
+    _prepare_muon(params, grads, muon_momentum_bufs, [], lr=lr, weight_decay=weight_decay, momentum=momentum,
+                  nesterov=nesterov, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
+                  adjust_lr_fn=adjust_lr_fn).run()
+
+
+class _MuonUpdate(NamedTuple):
+    """A Muon update checked by :func:`_prepare_muon`, not yet written: :meth:`run` writes it."""
+
+    params: list
+    grads: list
+    bufs: list
+    #: each parameter's Newton-Schulz update lr (:func:`adjust_lr`)
+    adjusted_lrs: list
+    #: each tensor step count and the value it takes once every write returned
+    counts: list
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    ns_coefficients: tuple
+    ns_steps: int
+    eps: float
+
+    def run(self) -> None:
+        """Write every parameter and buffer, then the step counts (an error while writing, an
+        out-of-memory or a failed collective of a DTensor's redistribution, leaves the counts as they
+        were and what was written so far written)."""
+        keys = ParamKeys()  # stochastically rounded buffers draw by place under a key per parameter
+        for i, (p, g, buf, alpha) in enumerate(zip(self.params, self.grads, self.bufs, self.adjusted_lrs)):
+            g32 = g if g.dtype == torch.float32 else g.float()
+            readable = buf if buf.dtype == torch.float32 else buf.float()  # a quantized state reads as float32
+            new_buf = readable.lerp(g32, 1 - self.momentum)
+            update = g32.lerp(new_buf, self.momentum) if self.nesterov else new_buf
+            write_states(p, [buf], [new_buf], keys(i) if rounds_stochastically(buf) else None)
+            update = _orthogonalize(update, self.ns_coefficients, self.ns_steps, self.eps)
+            p.mul_(1 - self.lr * self.weight_decay)
+            p.add_(update, alpha=-alpha)
+        for count, step in self.counts:
+            count.fill_(step)
+
+
+def _prepare_muon(params: Sequence[Tensor], grads: Sequence[Tensor], bufs: Sequence[Tensor],
+                  state_steps: Sequence[Tensor], *, lr: _LR, weight_decay: float, momentum: float, nesterov: bool,
+                  ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
+                  adjust_lr_fn: Optional[str], owner: str = "muon",
+                  indices: Optional[Sequence[int]] = None) -> _MuonUpdate:
+    """Check a Muon update (lists, each gradient and buffer against its parameter, each step count
+    of ``state_steps``, which may be empty, the arguments) and return it unwritten; ``owner`` and
+    ``indices`` name a parameter in messages as in :func:`~qstate.optim._step.prepare_update`."""
+    if not len(params) == len(grads) == len(bufs):
         raise ValueError(f"muon: expected as many grads and buffers as params, got {len(params)} params, "
-                         f"{len(grads)} grads, {len(muon_momentum_bufs)} buffers")
-    for i, (p, g, buf) in enumerate(zip(params, grads, muon_momentum_bufs)):
-        for what, t in (("gradient", g), ("momentum buffer", buf)):
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"muon: param {i} (shape {tuple(p.shape)}): expected a {what} of its shape, "
-                                 f"got {tuple(t.shape)}")
+                         f"{len(grads)} grads, {len(bufs)} buffers")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"Muon: ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    if len(ns_coefficients) != 3:
+        raise ValueError(f"Muon: ns_coefficients must be three values (a, b, c), got {tuple(ns_coefficients)}")
+    lr = float(lr)
+    counts = []
+    for i, (p, g, buf) in enumerate(zip(params, grads, bufs)):
+        what = f"{owner}: param {i if indices is None else indices[i]} (shape {tuple(p.shape)}, {p.dtype})"
+        _step.check_grad(what, p, g)
+        if tuple(buf.shape) != tuple(p.shape):
+            raise ValueError(f"{what}: expected a momentum buffer of its shape, got {tuple(buf.shape)}")
         if p.ndim != 2:
-            raise ValueError(f"muon: param {i}: Muon updates 2-D parameters, got shape {tuple(p.shape)}")
-    lr = float(lr) if isinstance(lr, Tensor) else lr
-    keys = ParamKeys()  # stochastically rounded buffers draw by place under a key per parameter
-    for i, (p, g, buf) in enumerate(zip(params, grads, muon_momentum_bufs)):
-        g32 = g if g.dtype == torch.float32 else g.float()
-        readable = buf if buf.dtype == torch.float32 else buf.float()  # a quantized state reads as float32
-        new_buf = readable.lerp(g32, 1 - momentum)
-        update = g32.lerp(new_buf, momentum) if nesterov else new_buf
-        write_states(p, [buf], [new_buf], keys(i) if rounds_stochastically(buf) else None)
-        update = _orthogonalize(update, ns_coefficients, ns_steps, eps)
-        p.mul_(1 - lr * weight_decay)
-        p.add_(update, alpha=-adjust_lr(lr, adjust_lr_fn, p.shape))
+            raise ValueError(f"{what}: Muon updates 2-D parameters, got shape {tuple(p.shape)}")
+        if i < len(state_steps):
+            counts.append((state_steps[i], _step.next_step(state_steps[i], what)))
+    adjusted = [adjust_lr(lr, adjust_lr_fn, p.shape) for p in params]
+    return _MuonUpdate(list(params), list(grads), list(bufs), adjusted, counts, lr, float(weight_decay),
+                       float(momentum), bool(nesterov), tuple(ns_coefficients), ns_steps, float(eps))
 
 
 # ---------------------------------------------------------------- the optimizer
@@ -324,45 +373,60 @@ class Muon(QuantizedOptimizer):
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step: Muon groups by :func:`muon`, AdamW groups by ``qstate.optim.AdamW``'s update.
 
-        Every gradient is checked and every missing state created before any parameter or
-        state is written.
+        Checked, then written, as ``QuantizedOptimizer.step``: every gradient, buffer and step count is
+        checked, every missing state created aside and every group's update laid out before any
+        parameter or state is written; with DTensor parameters every rank learns of a failure and
+        raises (:meth:`_agree_checks`) before the first redistribution. A group's step counts
+        advance after all its writes returned.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = self._param_index()
-        work = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            sparse = [p for p in params if p.grad.is_sparse]
-            if sparse:
-                raise TypeError(f"{self._describe(index[sparse[0]], sparse[0])}: sparse gradients are not supported")
-            for p in params:
-                if not self.state[p]:
-                    self.state[p].update(self._new_states(p, group, index[p]))
-            names = [s.name for s in self.rule.states(self._flags(group))]
-            states = [[self.state[p][n] for n in names] for p in params]
-            work.append((group, params, [p.grad for p in params], states, [self.state[p]["step"] for p in params]))
-        for gi, (group, params, grads, states, steps) in enumerate(work):
-            if not params:
-                continue
-            # the rounding stream of (seed, group, step): stochastically rounded states' keys
-            with self._stream({torch.device("cpu")}, group["seed"], gi, 1 + max(int(s) for s in steps)):
-                self._update_group(group, params, grads, states, steps)
+        error: Optional[Exception] = None
+        try:
+            work = self._prepare_muon_step()
+        except Exception as e:  # raised below, on every rank that shares a mesh with this one
+            error = e
+        self._agree_checks(error)
+        for gi, group, steps, new_states, update in work:
+            self.state.update(new_states)
+            try:
+                # the rounding stream of (seed, group, step): stochastically rounded states' keys
+                with self._stream({torch.device("cpu")}, group["seed"], gi, 1 + max(int(s) for s in steps)):
+                    update.run()
+            except BaseException:
+                for p in new_states:
+                    del self.state[p]
+                raise
         return loss
 
-    def _update_group(self, group: dict, params: list, grads: list, states: list, steps: list) -> None:
-        if group["use_muon"]:
-            muon(params, grads, [s[0] for s in states], lr=group["lr"], weight_decay=group["weight_decay"],
-                 momentum=group["momentum"], nesterov=group["nesterov"],
-                 ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"], eps=group["eps"],
-                 adjust_lr_fn=group["adjust_lr_fn"])
-            for s in steps:
-                s += 1
-        else:
-            _step.apply_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
-                               lr=group["lr"], compile=self.compile)
+    def _prepare_muon_step(self) -> list[tuple]:
+        """Each group's ``(index, group, step counts, new states, unwritten update)``; writes nothing."""
+        index = self._param_index()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            new = {p: self._new_states(p, group, index[p]) for p in params if not self.state.get(p)}
+            names = [s.name for s in self.rule.states(self._flags(group))]
+            full = [new.get(p) or self.state[p] for p in params]
+            states = [[st[n] for n in names] for st in full]
+            steps = [st["step"] for st in full]
+            grads = [p.grad for p in params]
+            indices = [index[p] for p in params]
+            if group["use_muon"]:
+                update = _prepare_muon(params, grads, [s[0] for s in states], steps, lr=group["lr"],
+                                       weight_decay=group["weight_decay"], momentum=group["momentum"],
+                                       nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+                                       ns_steps=group["ns_steps"], eps=group["eps"],
+                                       adjust_lr_fn=group["adjust_lr_fn"], owner="Muon", indices=indices)
+            else:
+                update = _step.prepare_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
+                                              lr=group["lr"], compile=self.compile, owner="Muon", indices=indices)
+            work.append((gi, group, steps, new, update))
+        return work
 
 
 def _tensor_of(p: Any) -> Tensor:

@@ -241,3 +241,39 @@ def test_compile_fullgraph_matches_eager(fmt):
     assert torch.equal(mc.codes, me.codes) and torch.equal(vc.codes, ve.codes)
     torch.testing.assert_close(mc.scale, me.scale, rtol=1e-6, atol=0)
     torch.testing.assert_close(upd_c, upd_e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_block_size_beyond_the_int32_range_raises_before_any_allocation(fmt):
+    """block_size=2**40 used to pad each row to 4 TiB; the bound is BlockFormat.max_block_size."""
+    x = torch.randn(3, 5)
+    for make in (lambda: qstate.quantize(x, fmt, block_size=2**40), lambda: qstate.zeros_like(x, fmt, block_size=2**40)):
+        assert _err(make) == (f"ValueError: format '{fmt}': block_size must be at most 2147483647 (the int32 range; "
+                              "a block larger than a row only pads it), got 1099511627776")
+    # a block size above the row length stores what the row length stores
+    even = 6 if FORMATS[fmt].bits == 4 else 5
+    assert torch.equal(qstate.quantize(x, fmt, block_size=2**20).dequantize(),
+                       qstate.quantize(x, fmt, block_size=even).dequantize())
+
+
+@pytest.mark.parametrize("fmt, rounding", [("8bit", "nearest"), ("4bit", "stochastic"), ("fp8", "nearest")])
+@pytest.mark.parametrize("shape", [(4, 300), (7,), (2, 3, 5)])
+def test_quantize_and_zeros_like_under_fake_tensor_mode(fmt, rounding, shape):
+    """Fake inputs give states whose parts are all fake, with a real input's shapes and dtypes."""
+    from torch._subclasses import FakeTensorMode
+    from torch._subclasses.fake_tensor import is_fake
+
+    real = qstate.quantize(torch.randn(shape), fmt, rounding=rounding)
+    zeros = qstate.zeros_like(torch.randn(shape), fmt, block_size=64)
+    with FakeTensorMode():
+        x = torch.randn(shape)
+        for q, want in ((qstate.quantize(x, fmt, rounding=rounding), real),
+                        (qstate.zeros_like(x, fmt, block_size=64), zeros)):
+            assert type(q) is qstate.QuantizedState and q.shape == x.shape and q.dtype == x.dtype
+            parts = [q.codes, q.scale] + ([q.qmap] if q.qmap is not None else [])
+            assert all(is_fake(t) for t in parts)
+            assert len(parts) == 2 + (want.qmap is not None)
+            for t, w in zip(parts, [want.codes, want.scale, want.qmap]):
+                assert (t.shape, t.dtype) == (w.shape, w.dtype)
+            back = q.dequantize()
+            assert is_fake(back) and back.shape == x.shape
