@@ -55,7 +55,9 @@ argument checks and static flags; everything else lives here:
   ``seed``, or one a loaded checkpoint set, is used as is.
 * **torch.optim's implementation arguments** (``fused``, ``foreach``,
   ``capturable``, ``differentiable``) are param-group entries as in torch
-  (checked by the subclasses: only the values qstate honours). Step counts stay
+  (checked by the subclasses: only the values qstate honours); ``fused`` and
+  ``foreach`` choose each group's path at every step as they choose torch's
+  (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
   CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
   torch would move them to the parameter's device).
 * **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
@@ -93,6 +95,7 @@ from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import _step
+from ._arguments import FOREACH, FUSED, check_path, update_path
 from ._rules import UpdateRule
 from ._state_kind import StateKind
 
@@ -295,6 +298,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         self._check_state_options(group, type(self).__name__)
         self._check_group(group)
+        check_path(type(self).__name__, group, self.compile)
         first = self._n_params
         for i, p in enumerate(group["params"]):
             self.plan(p, group, first + i)
@@ -367,6 +371,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         for saved, current in zip(state_dict["param_groups"], self.param_groups):
             group = self._loaded_group(saved, current)
             self._check_group(group)
+            check_path(name, group, self.compile)
             names = [s.name for s in self.rule.states(self._flags(group))]
             for pid, p in zip(saved["params"], current["params"]):
                 entry = state_dict["state"].get(pid) or {}
@@ -457,8 +462,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
             with stream:
+                path = update_path(group, self.compile)
                 _step.apply_update(self.rule, self._flags(group), params, grads, states, steps, group,
-                               lr=group["lr"], compile=self.compile,
+                               lr=group["lr"], compile=path == FUSED, foreach=path == FOREACH,
                                stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale)
         return loss
 

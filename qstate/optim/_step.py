@@ -39,6 +39,9 @@ The path is chosen once per parameter, in :func:`_apply`:
   full parameter (each shard one range of it: ``Shard(0)``/``Replicate``; its
   start passed as ``starts``, :func:`~qstate.dtensor_rules.flat_starts`), so
   the sharded update is the unsharded one on any number of ranks.
+* ``foreach=True`` (torch.optim's ``foreach``): the op as above, every parameter in its eager
+  variant (the math op by op inside one call per device, variant and mesh, as the small plain
+  states'); tensors the op's kernels do not take run as below.
 * otherwise (``compile=False``, tensors the op's kernels do not take,
   layouts DTensor's strategy rejects): the same math eagerly, op by op. A bf16
   parameter and the states round stochastically with the fused kernels' draws
@@ -161,8 +164,13 @@ def _step_of(s: Union[int, Tensor]) -> int:
 def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
                  states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
                  group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
-                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+                 foreach: bool = False) -> None:
     """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order).
+
+    ``compile``: the fused kernels; ``foreach`` (``compile`` is then not read): the op with its eager
+    variant, the math op by op in one call over the list; neither: the math op by op, tensor by tensor
+    (the paths of torch.optim's ``fused``/``foreach``, ``qstate/optim/_arguments.py``).
 
     ``grad_scale``/``found_inf`` follow torch's fused-optimizer AMP protocol: the gradients are
     scaled by ``grad_scale`` (unscaled inside the update, never written), and a nonzero
@@ -179,7 +187,7 @@ def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads:
         return
     with torch.no_grad():
         _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
-               1.0 if grad_scale is None else unscale_factor(grad_scale))
+               1.0 if grad_scale is None else unscale_factor(grad_scale), foreach)
 
 
 def skip_step(found_inf: Optional[Tensor]) -> bool:
@@ -193,7 +201,7 @@ def unscale_factor(grad_scale: Tensor) -> Tensor:
 
 
 def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, stochastic_round,
-           grad_unscale) -> None:
+           grad_unscale, foreach=False) -> None:
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
     # one qstate::fused_update call per (DTensor mesh or None, eager math?, step, device, sr): its lists
@@ -209,10 +217,11 @@ def _apply(rule, flags, params, grads, states, state_steps, group, lr, compile, 
         # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
         # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
         # are not all of the types the op's kernels take
-        if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+        if not (compile or foreach) or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
             update_eagerly(rule, flags, p, g, st, scalars.eager(step, p.device), sr, key)
             continue
-        eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
+        # foreach: the op's eager variant; else from the global size: the same on every rank
+        eager = foreach or _small_eager(rule, static, p, g, st, sr)
         mesh = p.device_mesh if dtensor else None
         call = (mesh, eager, step, p.device, sr)
         batch = batches.get(call)
