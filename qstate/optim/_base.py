@@ -84,6 +84,7 @@ argument checks and static flags; everything else lives here:
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 from typing import Any, Callable, Iterable, Optional
 
@@ -99,6 +100,7 @@ from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from . import _step
 from ._arguments import FOREACH, FUSED, check_path, update_path
+from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
 from ._rules import UpdateRule
 from ._state_kind import StateKind
 
@@ -178,6 +180,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     #: whether this rank drew the seed (``seed=None``) and rank 0's has yet to replace it (:meth:`_agree_seed`)
     _seed_drawn = False
+    #: whether the optimizer warned of a weak combination (:meth:`_warn_weak`)
+    _warned_weak = False
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
@@ -198,9 +202,64 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._n_params = 0
         super().__init__(params, defaults)
+        #: the first step that creates states logs what they are (:meth:`_report_states`), once
+        self._report_handle = self.register_step_post_hook(type(self)._report_states)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
         self.register_load_state_dict_post_hook(type(self)._load_post)
         self.register_load_state_dict_post_hook(type(self)._steps_on_host)
+
+    # ------------------------------------------------------------------ what the states hold
+    def state_nbytes(self) -> StateNbytes:
+        """This rank's state bytes per format against float32, of the states created so far.
+
+        Returns a :class:`~qstate.optim._report.StateNbytes`: ``formats`` maps each state format
+        (``"8bit"``, ``"4bit"``, ``"fp8"``, ``"fp32"``, ``"bf16"``) to its ``states``, ``elements``,
+        ``storage_nbytes`` (codes, scales and code maps of quantized states; ``numel * element_size``
+        of plain ones) and ``fp32_nbytes`` (``4 * elements``); ``storage_nbytes``/``fp32_nbytes`` are
+        the totals. Counts the rule's states (not ``step``), local to this rank: a DTensor state
+        (FSDP2) counts its local shard. No collective: sum over ranks with ``all_reduce`` if needed.
+        (A :class:`~qstate.QuantizedState`'s ``nbytes`` is torch's logical size, ``numel * 4``: read
+        :meth:`~qstate.QuantizedState.storage_nbytes` or this.)
+        """
+        return count_nbytes(v for state in self.state.values() for n, v in state.items()
+                            if n != "step" and isinstance(v, Tensor))
+
+    def _planned(self):
+        """Per parameter: the format of its states, why they stayed fp32 though its group asked for a
+        quantized format (None if they did not), and how many states it keeps."""
+        index = 0
+        for group in self.param_groups:
+            n_states = len(self.rule.states(self._flags(group)))
+            fmt = group["state_format"]
+            for p in group["params"]:
+                kind = self.plan(p, group, index)
+                index += 1
+                if kind.quantized:
+                    yield kind.format, None, n_states
+                elif fmt in PLAIN_FORMATS:
+                    yield fmt, None, n_states
+                elif p.numel() < group["min_quantize_numel"]:
+                    yield "fp32", f"fewer than min_quantize_numel={group['min_quantize_numel']} elements", n_states
+                else:
+                    yield "fp32", f"{p.ndim}-D (quantized states need 2 or more dims)", n_states
+
+    def _report_states(self, args: tuple, kwargs: dict) -> None:
+        """Step post-hook: after the first step that created states, one INFO record on the ``qstate``
+        logger saying how many states got which format, why some stayed fp32, and this rank's bytes
+        against fp32 (:func:`~._report.policy_summary`); then the hook leaves."""
+        if not self.state:  # a skipped step created nothing
+            return
+        self._report_handle.remove()
+        if LOGGER.isEnabledFor(logging.INFO):
+            LOGGER.info(policy_summary(type(self).__name__, self._planned(), self.state_nbytes()))
+
+    def _warn_weak(self, group: dict) -> None:
+        """Warn, once per optimizer, if ``group``'s format is documented weak for this optimizer's rule
+        (:data:`~._report.WEAK_COMBINATIONS`)."""
+        message = weak_combination(type(self).__name__, self.rule.name, group["state_format"])
+        if message is not None and not self._warned_weak:
+            self._warned_weak = True
+            warn_at_caller(message)
 
     def _steps_on_host(self) -> None:
         """Keep every step count a CPU tensor after loading, as the step reads it on the host
@@ -308,6 +367,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self._check_state_options(group, type(self).__name__)
         self._check_group(group)
         check_path(type(self).__name__, group, self.compile)
+        self._warn_weak(group)
         first = self._n_params
         for i, p in enumerate(group["params"]):
             self.plan(p, group, first + i)
