@@ -220,7 +220,7 @@ def test_built_as_hf_trainer_builds_optimizers():
     # Trainer(optimizer_cls_and_kwargs=(qstate.optim.AdamW, kwargs)); the kwargs as get_optimizer_cls_and_kwargs
     # makes them for optim="adamw_torch_fused" ({"lr"} + adam_kwargs + {"fused": True}), plus qstate's own
     optimizer_cls_and_kwargs = (qstate.optim.AdamW, {"lr": 5e-4, "betas": (0.9, 0.999), "eps": 1e-8,
-                                                     "fused": True, "state_format": "4bit"})
+                                                     "fused": True, "state_format": "4bit", "seed": 0})
     optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs
     model = _Net()
     optimizer = optimizer_cls(_hf_grouped_parameters(model, 0.01), **optimizer_kwargs)
@@ -229,6 +229,6 @@ def test_built_as_hf_trainer_builds_optimizers():
     losses = _train(model, [optimizer])
     assert losses[-1] < losses[0]
     ref_model = _Net()
-    ref = qstate.optim.AdamW(_hf_grouped_parameters(ref_model, 0.01), lr=5e-4, state_format="4bit")
+    ref = qstate.optim.AdamW(_hf_grouped_parameters(ref_model, 0.01), lr=5e-4, state_format="4bit", seed=0)
     assert _train(ref_model, [ref]) == losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
