@@ -46,13 +46,13 @@ AdEMAMix all four) are stored in the param groups as torch stores them, and
 (:func:`update_path`): the same math on three paths, as torch's fused, foreach
 and for-loop implementations are one algorithm:
 
-===============  ===============  ===============  ======================
-``fused``        ``foreach=None`` ``foreach=False`` ``foreach=True``
-===============  ===============  ===============  ======================
-None (default)   fused            fused            foreach
-True             fused            fused            ``RuntimeError`` (as torch)
-False            for-loop         for-loop         foreach
-===============  ===============  ===============  ======================
+==============  ================  =================  =================================
+``fused``       ``foreach=None``  ``foreach=False``  ``foreach=True``
+==============  ================  =================  =================================
+None (default)  fused             fused              foreach
+True            fused             fused              ``RuntimeError`` (as torch's)
+False           for-loop          for-loop           foreach
+==============  ================  =================  =================================
 
 * ``"fused"``: qstate's fused op, ``qstate::fused_update`` with its fused kernels
   (``compile=True``). ``compile=False`` turns the kernels off, so it asks for the
