@@ -198,3 +198,23 @@ SGD: `fused` and `foreach` cannot be `True` together.""")
         with self.assertRaisesRegex(ValueError, "fused=True runs qstate's fused kernels, which compile=False"):
             eager.load_state_dict(saved)
         assert eager.state == {}
+
+
+def test_where_the_math_is_exact_every_path_gives_the_same_bits():
+    # plain SGD with a power-of-two lr has an exact product, so the fused kernels' float32 values are the
+    # math op by op's (no FMA to differ), and bf16 stochastic rounding draws alike on every path
+    # (test_bf16_stochastic_rounding_draws_the_same_on_every_path): all three paths give the same bits
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g).bfloat16() for s in [(300, 301), (64, 200), (200,)]]
+    runs = {}
+    for fused, foreach in COMBINATIONS:
+        if fused and foreach:
+            continue
+        ps = [torch.nn.Parameter(x.clone()) for x in start]
+        opt = SGD(ps, lr=2.0**-10, bf16_stochastic_round=True, seed=7, fused=fused, foreach=foreach)
+        run_steps(lambda p: opt, ps, 3)
+        runs[(fused, foreach)] = ps
+    ref = runs[(None, None)]
+    assert not torch.equal(ref[0], start[0])
+    for key, ps in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(ps, ref)), key
