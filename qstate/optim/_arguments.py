@@ -21,13 +21,16 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
 * ``compile`` (True): the fused path's compiled kernels (one per kernel spec);
   ``False`` runs the same math eagerly op by op, tensor by tensor (the for-loop
   path of the table below);
-* ``seed``: seed of the stochastic-rounding stream (default: 62 bits of the
-  operating system's entropy drawn at construction and, when ``torch.distributed``
-  runs more than one rank, replaced by rank 0's at the first step that rounds, so
-  every rank draws the same stream). Building an optimizer and stepping it leave
-  torch's global generators (CPU and accelerator) as they were: a run draws the
-  same dropout masks as with ``torch.optim``. Pass a seed for rounding that repeats
-  from run to run; a checkpoint keeps it (in its param groups);
+* ``seed``: seed of the stochastic-rounding stream (default: drawn at
+  construction from a private generator seeded with ``torch.initial_seed()``, the
+  seed ``torch.manual_seed`` set, and, when ``torch.distributed`` runs more than
+  one rank, replaced by rank 0's at the first step that rounds, so every rank
+  draws the same stream). Building an optimizer and stepping it leave torch's
+  global generators (CPU and accelerator) as they were: a run draws the same
+  dropout masks as with ``torch.optim``. Optimizers built under the same
+  ``torch.manual_seed`` get the same default seed: pass ``seed=`` to give each
+  (one per model part, say) a stream of its own; a checkpoint keeps it (in its
+  param groups);
 * ``skip_nonfinite`` (False): skip a step whose gradients hold an inf or a
   NaN on any rank, leaving parameters, states and step counts bit-identical
   (torch's AMP ``found_inf`` protocol; a ``GradScaler``'s ``found_inf`` is

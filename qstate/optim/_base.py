@@ -42,10 +42,11 @@ argument checks and static flags; everything else lives here:
   optimizer's own, a function of ``(seed, param group index, step)`` only: the
   generators of the CPU (which draws each parameter's key) and of each
   parameter's device are seeded from them for the group's update (and the
-  global ones restored afterwards). ``seed`` (given, or drawn from the
-  operating system's entropy at construction: building or stepping an optimizer
-  never draws from torch's global generators, so a run's dropout masks and other
-  draws are those of the same run with ``torch.optim``) is a param-group entry and the step is a state,
+  global ones restored afterwards). ``seed`` (given, or drawn at construction
+  from a private generator seeded with ``torch.initial_seed()``: building or
+  stepping an optimizer never draws from torch's global generators, so a run's
+  dropout masks and other draws are those of the same run with ``torch.optim``)
+  is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
   Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
@@ -85,7 +86,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -157,10 +157,12 @@ def _rounds_stochastically(group: dict) -> bool:
 _CPU = torch.device("cpu")
 
 
-def _entropy_seed() -> int:
-    """A seed for ``seed=None``: 62 bits of the operating system's entropy (``secrets``), never a draw
-    from torch's generators, which the caller's own random numbers (dropout, data order) come from."""
-    return secrets.randbits(62)
+def _private_seed() -> int:
+    """A seed for ``seed=None``, drawn from a private generator seeded with ``torch.initial_seed()`` (what
+    ``torch.manual_seed`` set, read without a draw): never a draw from torch's global generators, which
+    the caller's own random numbers (dropout, data order) come from. Ranks and reruns that seed torch
+    alike draw alike, with no collective."""
+    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())).item())
 
 
 class _Keep:
@@ -190,7 +192,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults)
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                        seed=_entropy_seed() if seed is None else seed)
+                        seed=_private_seed() if seed is None else seed)
         self._seed_drawn = seed is None
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):

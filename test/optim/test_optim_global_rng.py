@@ -3,8 +3,8 @@ so a training run sees the random numbers (dropout masks, data order) of the sam
 
 HF Trainer calls ``set_seed`` before it builds the optimizer: an optimizer that drew its seed from the
 global generator moved every later dropout mask. The stochastic-rounding stream is the optimizer's own
-(a seed from the operating system's entropy, or given), and its draws run on generators restored
-after each group's update.
+(a seed from a private generator seeded with ``torch.initial_seed()``, or given), and its draws run on
+generators restored after each group's update.
 """
 
 from __future__ import annotations

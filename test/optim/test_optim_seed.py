@@ -136,9 +136,11 @@ def _seed_drawn_at_construction() -> None:
     p = torch.nn.Parameter(_start())
     opt = _optimizer(p)
     drawn = opt.param_groups[0]["seed"]
-    # from the operating system's entropy, not torch's generator: the same global seed gives other seeds
+    # from a private generator seeded with torch.initial_seed(): no draw from torch's generator, and the same
+    # torch.manual_seed gives the same seed (another gives another)
     assert torch.equal(torch.get_rng_state(), before)
-    torch.manual_seed(3)
+    assert _optimizer(torch.nn.Parameter(_start())).param_groups[0]["seed"] == drawn
+    torch.manual_seed(4)
     assert _optimizer(torch.nn.Parameter(_start())).param_groups[0]["seed"] != drawn
     _steps(p, opt, 0, STEPS)
     assert opt.param_groups[0]["seed"] == drawn and opt.defaults["seed"] == drawn
