@@ -222,7 +222,8 @@ def candidates(formats: list[str]) -> tuple[dict[str, Callable], list[str]]:
     makers: dict[str, Callable] = {"fp32": lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY)}
     for fmt in formats:
         makers[f"qstate {fmt}"] = (lambda f: lambda ps: qoptim.AdamW(
-            ps, lr=LR, weight_decay=WEIGHT_DECAY, state_format=f, min_quantize_numel=MIN_QUANTIZE_NUMEL))(fmt)
+            ps, lr=LR, weight_decay=WEIGHT_DECAY, state_format=f, min_quantize_numel=MIN_QUANTIZE_NUMEL,
+            seed=0))(fmt)  # one rounding stream per run: the figures repeat
     notes = []
     for cls in ("AdamW4bit", "AdamW8bit"):
         ao, why = try_import("torchao.optim", cls)
@@ -243,7 +244,9 @@ SENSITIVITY_CASES = [("AdamW", "fp32", None, False), ("AdamW", "8bit", None, Fal
 
 
 def _sensitivity_opt(params, optimizer: str, fmt: str, rounding: Optional[str], compile: bool):
-    kw = dict(state_format=fmt, state_rounding=rounding, min_quantize_numel=MIN_QUANTIZE_NUMEL, compile=compile)
+    # seed: the unsharded and the sharded run round with one stream
+    kw = dict(state_format=fmt, state_rounding=rounding, min_quantize_numel=MIN_QUANTIZE_NUMEL, compile=compile,
+              seed=0)
     if optimizer == "AdamW":
         return qoptim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
     if optimizer == "Lion":

@@ -208,7 +208,13 @@ class QuantizedState(Tensor):
         return flat.view(self.shape).to(dtype or self.dtype)
 
     def storage_nbytes(self) -> int:
-        """Bytes held by the inner tensors (codes, scales, map)."""
+        """Bytes held by the inner tensors (codes, scales, map): what the state costs.
+
+        Not ``nbytes``: as for every tensor (a DTensor's included), ``nbytes`` is torch's logical size,
+        ``numel * itemsize`` of the appearance dtype (a float32 state of 64,000 elements says 256,000
+        however few bytes it holds), which torch's own code (DCP's loaders, dynamo) relies on. An
+        optimizer's totals per format, local to the rank: ``optimizer.state_nbytes()``.
+        """
         parts = [self.codes, self.scale] + ([] if self.qmap is None else [self.qmap])
         return sum(t.numel() * t.element_size() for t in parts)
 

@@ -18,13 +18,19 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
   states;
 * ``bf16_stochastic_round``: write bfloat16 parameters with unbiased
   stochastic rounding (the optimizer's own, saved, random stream);
-* ``compile`` (True): fused compiled kernels for plain tensors and plain
-  quantized states (one graph per kernel kind); ``False`` runs the same math
-  eagerly op by op (the path DTensor states always take);
-* ``seed``: seed of the stochastic-rounding stream (default: drawn from the
-  global generator at construction and, when ``torch.distributed`` runs more
-  than one rank, replaced by rank 0's at the first step that rounds, so every
-  rank draws the same stream);
+* ``compile`` (True): the fused path's compiled kernels (one per kernel spec);
+  ``False`` runs the same math eagerly op by op, tensor by tensor (the for-loop
+  path of the table below);
+* ``seed``: seed of the stochastic-rounding stream (default: drawn at
+  construction from a private generator seeded with ``torch.initial_seed()``, the
+  seed ``torch.manual_seed`` set, and, when ``torch.distributed`` runs more than
+  one rank, replaced by rank 0's at the first step that rounds, so every rank
+  draws the same stream). Building an optimizer and stepping it leave torch's
+  global generators (CPU and accelerator) as they were: a run draws the same
+  dropout masks as with ``torch.optim``. Optimizers built under the same
+  ``torch.manual_seed`` get the same default seed: pass ``seed=`` to give each
+  (one per model part, say) a stream of its own; a checkpoint keeps it (in its
+  param groups);
 * ``skip_nonfinite`` (False): skip a step whose gradients hold an inf or a
   NaN on any rank, leaving parameters, states and step counts bit-identical
   (torch's AMP ``found_inf`` protocol; a ``GradScaler``'s ``found_inf`` is
@@ -37,12 +43,33 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
   parameter elements those blocks update.
 
 torch.optim's implementation arguments (``fused``, ``foreach``, ``capturable``,
-``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion all
-four) are accepted where qstate can honour them, and stored in the param groups
-as torch stores them: qstate always runs its own fused update, outside autograd
-and CUDA graphs, so ``fused`` may be None or True, ``foreach`` None or False,
-``capturable`` and ``differentiable`` False; other values raise a
-``ValueError`` naming the argument (:func:`_check_implementation`).
+``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion and
+AdEMAMix all four) are stored in the param groups as torch stores them, and
+``fused``/``foreach`` choose each group's update path as they choose torch's
+(:func:`update_path`): the same math on three paths, as torch's fused, foreach
+and for-loop implementations are one algorithm:
+
+==============  ================  =================  =================================
+``fused``       ``foreach=None``  ``foreach=False``  ``foreach=True``
+==============  ================  =================  =================================
+None (default)  fused             fused              foreach
+True            fused             fused              ``RuntimeError`` (as torch's)
+False           for-loop          for-loop           foreach
+==============  ================  =================  =================================
+
+* ``"fused"``: qstate's fused op, ``qstate::fused_update`` with its fused kernels
+  (``compile=True``). ``compile=False`` turns the kernels off, so it asks for the
+  for-loop path, and a group that says ``fused=True`` with ``compile=False`` raises a
+  ``ValueError`` (:func:`check_path`);
+* ``"foreach"``: the rule's math op by op over the list: one ``qstate::fused_update``
+  call per step, device and mesh whose kernels run the math op by op on each
+  parameter (or shard: DTensor runs the op on the local tensors), no compiled kernel;
+* ``"for-loop"``: the rule's math op by op, tensor by tensor (DTensor dispatches each op).
+
+foreach and for-loop give the same bits; the fused kernels the same values up to
+floating-point contraction (FMA) and reassociation, which rounding can move by a code.
+``capturable`` and ``differentiable`` may only be False: other values raise a
+``ValueError`` naming the argument (:func:`check_implementation`).
 """
 
 from __future__ import annotations
@@ -53,7 +80,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["IMPLEMENTATION_OPTIONS", "LR", "check_betas", "check_implementation", "check_lr", "check_non_negative"]
+__all__ = ["FOREACH", "FOR_LOOP", "FUSED", "IMPLEMENTATION_OPTIONS", "LR", "check_betas", "check_implementation",
+           "check_lr", "check_non_negative", "check_path", "update_path"]
 
 #: ``lr``: a Python float or a one-element tensor
 LR = Union[float, Tensor]
@@ -89,29 +117,49 @@ def check_non_negative(name: str, what: str, value: float) -> None:
 
 #: torch.optim's implementation arguments: the values qstate honours, and why it honours no others
 _IMPLEMENTATION = {
-    "foreach": ((None, False), "qstate always runs its own fused update, never torch's foreach implementation"),
-    "fused": ((None, True), "qstate always runs its own fused update"),
-    "capturable": ((False,), "qstate's step reads its step counts (CPU tensors) and scalars on the host, which a "
+    "foreach": ((None, False, True), ""),
+    "fused": ((None, False, True), ""),
+    "capturable": ((False,), ": qstate's step reads its step counts (CPU tensors) and scalars on the host, which a "
                              "CUDA graph cannot capture"),
-    "differentiable": ((False,), "qstate's update runs without autograd and writes quantized states in place"),
+    "differentiable": ((False,), ": qstate's update runs without autograd and writes quantized states in place"),
 }
 
 #: the names of torch.optim's implementation arguments
 IMPLEMENTATION_OPTIONS = tuple(_IMPLEMENTATION)
 
+#: the update paths (:func:`update_path`)
+FUSED, FOREACH, FOR_LOOP = "fused", "foreach", "for-loop"
+
 
 def check_implementation(name: str, group: dict) -> None:
-    """Raise a ``ValueError`` unless ``group``'s torch.optim implementation arguments (those it has
-    of ``fused``, ``foreach``, ``capturable``, ``differentiable``) are values qstate honours.
-
-    Invariant: an accepted group runs exactly as it would with every such argument left at its
-    default, so the values only record what the caller asked for.
-    """
-    if group.get("fused") and group.get("foreach"):  # torch.optim's own rule comes first
-        raise ValueError(f"{name}: fused=True and foreach=True cannot both be set; got fused="
-                         f"{group['fused']!r}, foreach={group['foreach']!r}")
+    """Raise unless ``group``'s torch.optim implementation arguments (those it has of ``fused``,
+    ``foreach``, ``capturable``, ``differentiable``) are values qstate honours: ``fused`` and
+    ``foreach`` None or a bool, not both True (a ``RuntimeError``, as torch.optim raises), and
+    ``capturable``/``differentiable`` False (a ``ValueError`` naming the argument)."""
+    if group.get("fused") is True and group.get("foreach") is True:  # torch.optim's own rule
+        raise RuntimeError(f"{name}: `fused` and `foreach` cannot be `True` together.")
     for arg, (accepted, why) in _IMPLEMENTATION.items():
         value = group.get(arg)
         if arg in group and not ((value is None or isinstance(value, bool)) and value in accepted):
-            expected = " or ".join(repr(a) for a in accepted)
-            raise ValueError(f"{name}: {arg} must be {expected}, got {group[arg]!r}: {why}")
+            expected = " or ".join(filter(None, [", ".join(map(repr, accepted[:-1])), repr(accepted[-1])]))
+            raise ValueError(f"{name}: {arg} must be {expected}, got {group[arg]!r}{why}")
+
+
+def update_path(group: dict, compile: bool) -> str:
+    """The update path (:data:`FUSED`, :data:`FOREACH` or :data:`FOR_LOOP`) of a ``group`` that
+    passed :func:`check_implementation` and :func:`check_path`, in an optimizer with ``compile``:
+    ``foreach=True`` is foreach, ``fused=False`` for-loop, anything else fused (qstate's default)
+    when ``compile``, else for-loop (the module's table)."""
+    if group.get("foreach") is True:
+        return FOREACH
+    if group.get("fused") is False or not compile:
+        return FOR_LOOP
+    return FUSED
+
+
+def check_path(name: str, group: dict, compile: bool) -> None:
+    """Raise a ``ValueError`` if ``group`` asks for the fused path (``fused=True``) that
+    ``compile=False`` turns off: neither wins silently."""
+    if group.get("fused") is True and not compile:
+        raise ValueError(f"{name}: fused=True runs qstate's fused kernels, which compile=False turns off; pass "
+                         f"compile=True (the default), or fused=False to run the update tensor by tensor")

@@ -50,8 +50,11 @@ argument checks and static flags; everything else lives here:
   optimizer's own, a function of ``(seed, param group index, step)`` only: the
   generators of the CPU (which draws each parameter's key) and of each
   parameter's device are seeded from them for the group's update (and the
-  global ones restored afterwards). ``seed`` (given, or drawn from the global
-  generator at construction) is a param-group entry and the step is a state,
+  global ones restored afterwards). ``seed`` (given, or drawn at construction
+  from a private generator seeded with ``torch.initial_seed()``: building or
+  stepping an optimizer never draws from torch's global generators, so a run's
+  dropout masks and other draws are those of the same run with ``torch.optim``)
+  is a param-group entry and the step is a state,
   so any checkpoint path that keeps param groups and states
   (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
   Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
@@ -63,7 +66,9 @@ argument checks and static flags; everything else lives here:
   ``seed``, or one a loaded checkpoint set, is used as is.
 * **torch.optim's implementation arguments** (``fused``, ``foreach``,
   ``capturable``, ``differentiable``) are param-group entries as in torch
-  (checked by the subclasses: only the values qstate honours). Step counts stay
+  (checked by the subclasses: only the values qstate honours); ``fused`` and
+  ``foreach`` choose each group's path at every step as they choose torch's
+  (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
   CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
   torch would move them to the parameter's device).
 * **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
@@ -90,6 +95,7 @@ argument checks and static flags; everything else lives here:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Callable, Iterable, NamedTuple, Optional
 
@@ -105,6 +111,8 @@ from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from ..formats.map_formats import legacy_map_name
 from . import _step
+from ._arguments import FOREACH, FUSED, check_path, update_path
+from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
 from ._rules import UpdateRule
 from ._state_kind import StateKind
 
@@ -161,6 +169,14 @@ def _rounds_stochastically(group: dict) -> bool:
 _CPU = torch.device("cpu")
 
 
+def _private_seed() -> int:
+    """A seed for ``seed=None``, drawn from a private generator seeded with ``torch.initial_seed()`` (what
+    ``torch.manual_seed`` set, read without a draw): never a draw from torch's global generators, which
+    the caller's own random numbers (dropout, data order) come from. Ranks and reruns that seed torch
+    alike draw alike, with no collective."""
+    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())).item())
+
+
 class _Keep:
     """Carries a state tensor through ``Optimizer.load_state_dict`` without its dtype cast."""
 
@@ -188,6 +204,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     #: whether this rank drew the seed (``seed=None``) and rank 0's has yet to replace it (:meth:`_agree_seed`)
     _seed_drawn = False
+    #: whether the optimizer warned of a weak combination (:meth:`_warn_weak`)
+    _warned_weak = False
 
     def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
                  min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
@@ -196,7 +214,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults)
         defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                        seed=int(torch.randint(0, 2**62, (1,)).item()) if seed is None else seed)
+                        seed=_private_seed() if seed is None else seed)
         self._seed_drawn = seed is None
         self._check_state_options(defaults, name)
         if not isinstance(compile, bool):
@@ -208,10 +226,65 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self.skip_nonfinite = skip_nonfinite
         self._n_params = 0
         super().__init__(params, defaults)
+        #: the first step that creates states logs what they are (:meth:`_report_states`), once
+        self._report_handle = self.register_step_post_hook(type(self)._report_states)
         self.register_load_state_dict_pre_hook(type(self)._load_pre)
         self.register_load_state_dict_pre_hook(type(self)._check_loaded_steps)  # after _load_pre's checks
         self.register_load_state_dict_post_hook(type(self)._load_post)
         self.register_load_state_dict_post_hook(type(self)._steps_on_host)
+
+    # ------------------------------------------------------------------ what the states hold
+    def state_nbytes(self) -> StateNbytes:
+        """This rank's state bytes per format against float32, of the states created so far.
+
+        Returns a :class:`~qstate.optim._report.StateNbytes`: ``formats`` maps each state format
+        (``"8bit"``, ``"4bit"``, ``"fp8"``, ``"fp32"``, ``"bf16"``) to its ``states``, ``elements``,
+        ``storage_nbytes`` (codes, scales and code maps of quantized states; ``numel * element_size``
+        of plain ones) and ``fp32_nbytes`` (``4 * elements``); ``storage_nbytes``/``fp32_nbytes`` are
+        the totals. Counts the rule's states (not ``step``), local to this rank: a DTensor state
+        (FSDP2) counts its local shard. No collective: sum over ranks with ``all_reduce`` if needed.
+        (A :class:`~qstate.QuantizedState`'s ``nbytes`` is torch's logical size, ``numel * 4``: read
+        :meth:`~qstate.QuantizedState.storage_nbytes` or this.)
+        """
+        return count_nbytes(v for state in self.state.values() for n, v in state.items()
+                            if n != "step" and isinstance(v, Tensor))
+
+    def _planned(self):
+        """Per parameter: the format of its states, why they stayed fp32 though its group asked for a
+        quantized format (None if they did not), and how many states it keeps."""
+        index = 0
+        for group in self.param_groups:
+            n_states = len(self.rule.states(self._flags(group)))
+            fmt = group["state_format"]
+            for p in group["params"]:
+                kind = self.plan(p, group, index)
+                index += 1
+                if kind.quantized:
+                    yield kind.format, None, n_states
+                elif fmt in PLAIN_FORMATS:
+                    yield fmt, None, n_states
+                elif p.numel() < group["min_quantize_numel"]:
+                    yield "fp32", f"fewer than min_quantize_numel={group['min_quantize_numel']} elements", n_states
+                else:
+                    yield "fp32", f"{p.ndim}-D (quantized states need 2 or more dims)", n_states
+
+    def _report_states(self, args: tuple, kwargs: dict) -> None:
+        """Step post-hook: after the first step that created states, one INFO record on the ``qstate``
+        logger saying how many states got which format, why some stayed fp32, and this rank's bytes
+        against fp32 (:func:`~._report.policy_summary`); then the hook leaves."""
+        if not self.state:  # a skipped step created nothing
+            return
+        self._report_handle.remove()
+        if LOGGER.isEnabledFor(logging.INFO):
+            LOGGER.info(policy_summary(type(self).__name__, self._planned(), self.state_nbytes()))
+
+    def _warn_weak(self, group: dict) -> None:
+        """Warn, once per optimizer, if ``group``'s format is documented weak for this optimizer's rule
+        (:data:`~._report.WEAK_COMBINATIONS`)."""
+        message = weak_combination(type(self).__name__, self.rule.name, group["state_format"])
+        if message is not None and not self._warned_weak:
+            self._warned_weak = True
+            warn_at_caller(message)
 
     def _steps_on_host(self) -> None:
         """Keep every step count a CPU tensor after loading, as the step reads it on the host
@@ -328,6 +401,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         try:
             self._check_state_options(group, type(self).__name__)
             self._check_group(group)
+            check_path(type(self).__name__, group, self.compile)
+            self._warn_weak(group)
             first = self._n_params
             for i, p in enumerate(group["params"]):
                 self.plan(p, group, first + i)
@@ -445,6 +520,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         for saved, current in zip(state_dict["param_groups"], self.param_groups):
             group = self._loaded_group(saved, current)
             self._check_group(group)
+            check_path(name, group, self.compile)
             names = [s.name for s in self.rule.states(self._flags(group))]
             for pid, p in zip(saved["params"], current["params"]):
                 entry = state_dict["state"].get(pid) or {}
@@ -554,8 +630,10 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             index = index or self._param_index()
+            path = update_path(group, self.compile)
             update = _step.prepare_update(self.rule, self._flags(group), params, [p.grad for p in params], states,
-                                          steps, group, lr=group["lr"], compile=self.compile,
+                                          steps, group, lr=group["lr"], compile=path == FUSED,
+                                          foreach=path == FOREACH,
                                           stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
                                           owner=name, indices=[index[p] for p in params])
             # the step being taken (the counts are CPU tensors) keys the rounding stream

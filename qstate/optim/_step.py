@@ -39,6 +39,9 @@ The path is chosen once per parameter, in :func:`prepare_update`:
   full parameter (each shard one range of it: ``Shard(0)``/``Replicate``; its
   start passed as ``starts``, :func:`~qstate.dtensor_rules.flat_starts`), so
   the sharded update is the unsharded one on any number of ranks.
+* ``foreach=True`` (torch.optim's ``foreach``): the op as above, every parameter in its eager
+  variant (the math op by op inside one call per device, variant and mesh, as the small plain
+  states'); tensors the op's kernels do not take run as below.
 * otherwise (``compile=False``, tensors the op's kernels do not take,
   layouts DTensor's strategy rejects): the same math eagerly, op by op. A bf16
   parameter and the states round stochastically with the fused kernels' draws
@@ -201,8 +204,13 @@ def check_grad(what: str, p: Tensor, g: Tensor) -> None:
 def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
                  states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
                  group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
-                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None,
+                 foreach: bool = False) -> None:
     """Update each ``params[i]`` with ``grads[i]`` and its states ``states[i]`` (in ``rule.states`` order).
+
+    ``compile``: the fused kernels; ``foreach`` (``compile`` is then not read): the op with its eager
+    variant, the math op by op in one call over the list; neither: the math op by op, tensor by tensor
+    (the paths of torch.optim's ``fused``/``foreach``, ``qstate/optim/_arguments.py``).
 
     ``grad_scale``/``found_inf`` follow torch's fused-optimizer AMP protocol: the gradients are
     scaled by ``grad_scale`` (unscaled inside the update, never written), and a nonzero
@@ -216,13 +224,13 @@ def apply_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads:
     if skip_step(found_inf):
         return
     prepare_update(rule, flags, params, grads, states, state_steps, group, lr=lr, compile=compile,
-                   stochastic_round=stochastic_round, grad_scale=grad_scale).run()
+                   foreach=foreach, stochastic_round=stochastic_round, grad_scale=grad_scale).run()
 
 
 def prepare_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grads: Sequence[Tensor],
                    states: Sequence[Sequence[Tensor]], state_steps: Sequence[Union[int, Tensor]],
-                   group: dict, *, lr: Scalar, compile: bool = False, stochastic_round: bool = False,
-                   grad_scale: Optional[Tensor] = None, owner: Optional[str] = None,
+                   group: dict, *, lr: Scalar, compile: bool = False, foreach: bool = False,
+                   stochastic_round: bool = False, grad_scale: Optional[Tensor] = None, owner: Optional[str] = None,
                    indices: Optional[Sequence[int]] = None) -> "PendingUpdate":
     """Check the update :func:`apply_update` describes and lay out its calls, writing nothing (module
     docstring: "Checked, then written"); :meth:`PendingUpdate.run` writes it.
@@ -240,7 +248,7 @@ def prepare_update(rule: UpdateRule, flags: dict, params: Sequence[Tensor], grad
         steps.append(next_step(s, what))
     with torch.no_grad():
         return _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, compile,
-                        stochastic_round, 1.0 if grad_scale is None else unscale_factor(grad_scale))
+                        stochastic_round, 1.0 if grad_scale is None else unscale_factor(grad_scale), foreach)
 
 
 def _check_registered(rule: UpdateRule) -> None:
@@ -260,7 +268,7 @@ def unscale_factor(grad_scale: Tensor) -> Tensor:
 
 
 def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, compile, stochastic_round,
-             grad_unscale) -> "PendingUpdate":
+             grad_unscale, foreach=False) -> "PendingUpdate":
     scalars = _Scalars(rule, group, lr, grad_unscale)
     static = tuple(sorted(flags.items()))
     pending = PendingUpdate(rule, flags, scalars, stochastic_round)
@@ -276,11 +284,12 @@ def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, 
         # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
         # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
         # are not all of the types the op's kernels take
-        if not compile or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+        if not (compile or foreach) or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
             scalars.eager(step, p.device)  # the rule's scalars of this step: computed (and checked) now
             pending.eager.append(_Member(p, g, st, position, step))
             continue
-        eager = _small_eager(rule, static, p, g, st, sr)  # from the global size: the same on every rank
+        # foreach: the op's eager variant; else from the global size: the same on every rank
+        eager = foreach or _small_eager(rule, static, p, g, st, sr)
         mesh = p.device_mesh if dtensor else None
         call = (mesh, eager, step, p.device, sr)
         batch = batches.get(call)

@@ -55,13 +55,10 @@ def test_torch_positional_arguments_mean_the_same(torch_cls, cls):
 
 
 REFUSED = [
-    (dict(foreach=True), "foreach must be None or False, got True: qstate always runs its own fused update"),
-    (dict(fused=False), "fused must be None or True, got False: qstate always runs its own fused update"),
-    (dict(fused=True, foreach=True), "fused=True and foreach=True cannot both be set"),
     (dict(capturable=True), "capturable must be False, got True: qstate's step reads its step counts"),
     (dict(differentiable=True), "differentiable must be False, got True: qstate's update runs without autograd"),
-    (dict(foreach="yes"), "foreach must be None or False, got 'yes'"),
-    (dict(fused=1), "fused must be None or True, got 1"),
+    (dict(foreach="yes"), "foreach must be None, False or True, got 'yes'"),
+    (dict(fused=1), "fused must be None, False or True, got 1"),
 ]
 
 
@@ -210,12 +207,6 @@ def test_built_as_torchtitan_builds_optimizers(name):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters()))
 
 
-@pytest.mark.parametrize("implementation, arg", [("foreach", "foreach"), ("for-loop", "fused")])
-def test_torchtitan_implementations_qstate_cannot_run_name_the_argument(implementation, arg):
-    with pytest.raises(ValueError, match=f"AdamW: {arg} must be"):
-        qstate.optim.AdamW(_Net().parameters(), **_torchtitan_kwargs(implementation))
-
-
 def _hf_grouped_parameters(model: nn.Module, weight_decay: float) -> list[dict]:
     """HF Trainer.create_optimizer: decay and no-decay groups (biases and norms), then
     ``optimizer_cls(optimizer_grouped_parameters, **optimizer_kwargs)``."""
@@ -229,7 +220,7 @@ def test_built_as_hf_trainer_builds_optimizers():
     # Trainer(optimizer_cls_and_kwargs=(qstate.optim.AdamW, kwargs)); the kwargs as get_optimizer_cls_and_kwargs
     # makes them for optim="adamw_torch_fused" ({"lr"} + adam_kwargs + {"fused": True}), plus qstate's own
     optimizer_cls_and_kwargs = (qstate.optim.AdamW, {"lr": 5e-4, "betas": (0.9, 0.999), "eps": 1e-8,
-                                                     "fused": True, "state_format": "4bit"})
+                                                     "fused": True, "state_format": "4bit", "seed": 0})
     optimizer_cls, optimizer_kwargs = optimizer_cls_and_kwargs
     model = _Net()
     optimizer = optimizer_cls(_hf_grouped_parameters(model, 0.01), **optimizer_kwargs)
@@ -238,6 +229,6 @@ def test_built_as_hf_trainer_builds_optimizers():
     losses = _train(model, [optimizer])
     assert losses[-1] < losses[0]
     ref_model = _Net()
-    ref = qstate.optim.AdamW(_hf_grouped_parameters(ref_model, 0.01), lr=5e-4, state_format="4bit")
+    ref = qstate.optim.AdamW(_hf_grouped_parameters(ref_model, 0.01), lr=5e-4, state_format="4bit", seed=0)
     assert _train(ref_model, [ref]) == losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))

@@ -132,11 +132,16 @@ def test_replicas_seeded_differently_round_alike():
 def _seed_drawn_at_construction() -> None:
     assert not dist.is_initialized()
     torch.manual_seed(3)
-    drawn = int(torch.randint(0, 2**62, (1,)).item())
-    torch.manual_seed(3)
+    before = torch.get_rng_state()
     p = torch.nn.Parameter(_start())
     opt = _optimizer(p)
-    assert opt.param_groups[0]["seed"] == drawn
+    drawn = opt.param_groups[0]["seed"]
+    # from a private generator seeded with torch.initial_seed(): no draw from torch's generator, and the same
+    # torch.manual_seed gives the same seed (another gives another)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert _optimizer(torch.nn.Parameter(_start())).param_groups[0]["seed"] == drawn
+    torch.manual_seed(4)
+    assert _optimizer(torch.nn.Parameter(_start())).param_groups[0]["seed"] != drawn
     _steps(p, opt, 0, STEPS)
     assert opt.param_groups[0]["seed"] == drawn and opt.defaults["seed"] == drawn
     q = torch.nn.Parameter(_start())
