@@ -125,8 +125,11 @@ def test_rounding_policy_stochastic_signed_4bit_states(cls, kw, name):
     # default: the signed state of a 4bit optimizer rounds stochastically, everything else to nearest
     assert roundings(state_format="4bit") == {name: "stochastic", **unsigned}
     assert roundings(state_format="8bit") == {name: "nearest", **unsigned}
-    assert roundings(state_format="fp8") == {name: "nearest", **unsigned}
-    # state_rounding sets the signed states' mode; unsigned states always round to nearest
+    # fp8's unsigned states round stochastically (qstate.formats.fp8), whatever state_rounding says
+    assert roundings(state_format="fp8") == {name: "nearest", **{k: "stochastic" for k in unsigned}}
+    assert roundings(state_format="fp8", state_rounding="nearest") == {name: "nearest",
+                                                                       **{k: "stochastic" for k in unsigned}}
+    # state_rounding sets the signed states' mode; other formats' unsigned states always round to nearest
     assert roundings(state_format="4bit", state_rounding="nearest") == {name: "nearest", **unsigned}
     assert roundings(state_format="8bit", state_rounding="stochastic") == {name: "stochastic", **unsigned}
 

@@ -12,7 +12,7 @@
  *   NSTATES                              number of quantized states (1..3)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
- *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
+ *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states, unsigned fp8 states), map entries
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
@@ -34,7 +34,8 @@
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
- * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
+ * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8 (then, for
+ * S<i>_SR states, unsigned, stochastic rounding of positive values on the codes 0x00..0x7e, never to 0).
  * Stochastic rounding draws by position (qstate/formats/_rounding.py): the element at flat index n of the
  * full tensor (``starts`` + row * row_len + column) draws position_hash(key, n), from the caller's 64-bit key
  * for a PARAM_SR parameter (param_draw: its top 16 bits), from STATE_KEY(key, i) for state i (stochastic_code,
@@ -50,7 +51,7 @@
  * fp8 states encode 8 values at a time (fp8_code8) and decode from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
  * search) and decode from two registers (lookup16), and 8-bit map states rounded to nearest encode 8
  * at a time (table_code8: ENCODE's steps in vectors around 8 loads from the packed table). Everything
- * else (stochastic rounding of 8-bit map states included), and every tail, uses the scalar
+ * else (stochastic rounding of 8-bit map and fp8 states included), and every tail, uses the scalar
  * definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
@@ -322,6 +323,9 @@ static inline uint8_t fp8_code(float y, int is_signed) {
  * divisor is within 2**-24 of amax / 448, so |y| <= 448 (1 + 2**-23). A subnormal one may be off by far
  * more (amax 1000 * 2**-149 has the divisor 2 * 2**-149, and y = 500), an infinite or NaN one gives NaN
  * values. */
+/* fp8 stochastic rounding's map (qstate.formats.fp8.NON_NEGATIVE_VALUES): the codes 0x00..0x7e, the first
+ * entries of an fp8 state's qmap (the values by code), sorted */
+#define FP8_NON_NEGATIVE_CODES 127
 static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
 
 /* The normalized value of x in a block of divisor div (BlockFormat.normalize): x / div, except where that is
@@ -345,7 +349,12 @@ static inline float normalized(float x, float div, float max_code) {
 #define ENCODE(i, y, out, h)                                                           \
     do {                                                                               \
         if (S##i##_FP8) {                                                              \
-            (out) = fp8_code((y), S##i##_SIGNED);                                      \
+            const float y8_ = (y);                                                     \
+            (out) = fp8_code(y8_, S##i##_SIGNED);                                      \
+            if (S##i##_SR && y8_ > 0.0f) { /* unsigned states only; never 0 */         \
+                const int32_t c8_ = stochastic_code(y8_, (out), qmap##i, FP8_NON_NEGATIVE_CODES, (h)); \
+                (out) = (uint8_t)(c8_ > 1 ? c8_ : 1);                                  \
+            }                                                                          \
             break;                                                                     \
         }                                                                              \
         uint32_t bits_ = f2u(fabsf(y));                                                \
@@ -886,8 +895,8 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
     }
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
 #define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
-    if (S##i##_FP8 && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1)             \
-    else if (S##i##_FP8) FP8_LOOP16(i, x, bn, div, out, j0, 0)
+    if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1) \
+    else if (S##i##_FP8 && !S##i##_SR) FP8_LOOP16(i, x, bn, div, out, j0, 0)
 #define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
         _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
@@ -906,11 +915,11 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define CODE8(i, y, bounded) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED, (bounded))                \
                                          : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K, \
                                                        S##i##_SIGNED, S##i##_ZERO))
-/* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); map states
- * with stochastic rounding stay scalar */
+/* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); states
+ * with stochastic rounding (map or fp8) stay scalar */
 #define ENCODE8_AVX2(i, x, bn, div, out, j0)                                              \
-    if (S##i##_FP8 && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1)         \
-    else if (S##i##_FP8 || !S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)
+    if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1) \
+    else if (!S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)
 #define ENCODE8_LOOPS8(i, x, bn, div, out, j0, bounded)                                   \
     {                                                                                     \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
