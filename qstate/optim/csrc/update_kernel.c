@@ -51,7 +51,8 @@
  * fp8 states encode 8 values at a time (fp8_code8) and decode from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
  * search) and decode from two registers (lookup16), and 8-bit map states rounded to nearest encode 8
  * at a time (table_code8: ENCODE's steps in vectors around 8 loads from the packed table). Everything
- * else (stochastic rounding of 8-bit map and fp8 states included), and every tail, uses the scalar
+ * else (stochastic rounding of 8-bit map states included; fp8 states rounded stochastically encode 8 at a
+ * time, fp8_sr_code8), and every tail, uses the scalar
  * definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
@@ -726,6 +727,34 @@ static inline __m256i fp8_code8(__m256 y, int is_signed, int bounded) {
     return code;
 }
 
+/* fp8_value8's values of codes 0x00..0x7e (no sign, no NaN): the code's bits as a float's exponent and mantissa,
+ * rebiased (exact, subnormal codes included) */
+static inline __m256 fp8_non_negative_value8(__m256i code) {
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(code, 20)), _mm256_set1_ps(0x1p120f));
+}
+
+/* ENCODE of 8 values of an unsigned fp8 state rounded stochastically (fp8_code, then for y > 0 stochastic_code on
+ * the codes 0x00..0x7e, whose values fp8_non_negative_value8 gives, and never 0), with the draws of the flat
+ * indices base .. base + 7 under the state's key (sr_draw_256) */
+static inline __m256i fp8_sr_code8(__m256 y, uint64_t key, uint64_t base) {
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i nearest = fp8_code8(y, 0, 0);
+    const __m256 positive = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ);
+    /* a positive y's nearest code is in [1, 126]; the other lanes keep theirs */
+    __m256i c = _mm256_blendv_epi8(one, nearest, _mm256_castps_si256(positive));
+    c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_non_negative_value8(c), y, _CMP_GT_OQ)));
+    c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
+    const __m256 lo = fp8_non_negative_value8(c), hi = fp8_non_negative_value8(_mm256_add_epi32(c, one));
+    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 up = _mm256_or_ps(
+        _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
+                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
+                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+    c = _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), one);
+    return _mm256_blendv_epi8(nearest, c, _mm256_castps_si256(positive));
+}
+
 /* tab[idx[k]] for the 8 lanes k (each index >= 0): scalar loads at the lanes' indices, extracted two at a time
  * as 64-bit words (on Zen 3, for the 8-bit encode's packed table, one at a time took 0.96x the kernel's time of
  * an AVX2 gather, and two at a time takes 0.90-0.95x that) */
@@ -915,11 +944,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define CODE8(i, y, bounded) (S##i##_FP8 ? fp8_code8((y), S##i##_SIGNED, (bounded))                \
                                          : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K, \
                                                        S##i##_SIGNED, S##i##_ZERO))
-/* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); states
- * with stochastic rounding (map or fp8) stay scalar */
-#define ENCODE8_AVX2(i, x, bn, div, out, j0)                                              \
+/* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); map states
+ * with stochastic rounding stay scalar, fp8 ones take FP8_SR_LOOP8 */
+#define ENCODE8_AVX2(i, x, bn, div, out, j0, n0)                                          \
     if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1) \
-    else if (!S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)
+    else if (!S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)                         \
+    else if (S##i##_FP8) FP8_SR_LOOP8(i, x, bn, div, out, j0, n0)
+/* fp8 codes of x[j0..] / div rounded stochastically (fp8_sr_code8), 8 at a time while 8 remain (n0: x[0]'s
+ * flat index) */
+#define FP8_SR_LOOP8(i, x, bn, div, out, j0, n0)                                          \
+    for (const __m256 vdiv_ = _mm256_set1_ps(div); (j0) + 8 <= (bn); (j0) += 8)           \
+        store_codes8(fp8_sr_code8(DIV8(x, j0), skey##i, (n0) + (uint64_t)(j0)), (out) + (j0));
 #define ENCODE8_LOOPS8(i, x, bn, div, out, j0, bounded)                                   \
     {                                                                                     \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
@@ -942,7 +977,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
                            (bp) + (j0) / 2);                                      \
     }
 #else
-#define ENCODE8_AVX2(i, x, bn, div, out, j0)
+#define ENCODE8_AVX2(i, x, bn, div, out, j0, n0)
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0, n0)
 #endif
 
@@ -977,7 +1012,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             if (!NONFINITE_BLOCK(div)) {                                                  \
                 ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                \
                 ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                             \
-                ENCODE8_AVX2(i, x, bn, div, cp + b0, j0)                                  \
+                ENCODE8_AVX2(i, x, bn, div, cp + b0, j0, n0)                              \
             }                                                                             \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
