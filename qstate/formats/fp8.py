@@ -88,6 +88,8 @@ class Float8Format(BlockFormat):
         return codes.view(_E4M3).float()
 
     def max_abs_error(self, x: Tensor, scale_per_element: Tensor, signed: bool) -> Tensor:
+        """Round-to-nearest's bound: half a code step (``2**-4`` relative) plus the subnormal step; stochastic
+        rounding (unsigned states) may take the other neighbour: up to a whole step (``2**-3`` relative)."""
         subnormal = scale_per_element * 2.0**-9
         return x.abs() * 2.0**-4 + subnormal
 
