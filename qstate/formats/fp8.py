@@ -24,7 +24,8 @@ probabilities that make the expected decoded value ``y`` (a ``y`` past 448
 takes 448's code), then the never-0 rule above (a positive value below
 ``2**-9`` rounds up to ``0x01``); ``y <= 0`` (``-0.0`` included) and NaN keep
 their nearest codes. Why unsigned states: a second moment is an EMA whose
-per-step change, ``(1 - beta2) = 0.1%`` of its value, is far below half the
+per-step change (``1 - beta2`` of its value: 0.1% for Adam's default
+``beta2 = 0.999``) is far below half the
 3-bit mantissa's step (``2**-5`` relative), so round-to-nearest writes most
 of them back unchanged and they stop tracking the gradients; stochastic
 rounding keeps each one's expectation. Decoding does not depend on the
