@@ -157,6 +157,19 @@ def test_compiled_quantized_matches_eager(fmt, rounding):
             torch.testing.assert_close(qc.dequantize(), qe.dequantize(), rtol=1e-2, atol=1e-6)
 
 
+def test_compiled_fp8_stochastic_second_moments_match_eager():
+    # fp8 second moments round stochastically, by place under the step's key on both paths: the runs part
+    # only where the kernels' float order changes a value's last bits across a draw's threshold
+    a, b, oe, oc = _eager_and_compiled("fp8")
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+        v_e, v_c = oe.state[x]["exp_avg_sq"], oc.state[y]["exp_avg_sq"]
+        if isinstance(v_e, qstate.QuantizedState):
+            assert v_e.rounding == v_c.rounding == "stochastic"
+            assert (v_e.codes == v_c.codes).float().mean() > 0.999
+            torch.testing.assert_close(v_c.dequantize(), v_e.dequantize(), rtol=2**-3, atol=0)
+
+
 def test_compiled_4bit_stochastic_matches_eager():
     # Stochastic rounding draws by place under the step's key on both paths, so the runs differ only where
     # the compiled kernels' lerp (no FMA) and ATen's (FMA) part in the last bit and that difference crosses
