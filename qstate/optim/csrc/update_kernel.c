@@ -42,7 +42,8 @@
  * and the vector 4-bit encodes' sr_draw_W: the same draws lane by lane).
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
- * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
+ * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats; fp8_sr_code16 for
+ * stochastic rounding), 4-bit map states
  * 16 at a time (map4_code16: a search of the code thresholds, or of the map for stochastic rounding).
  * Blocks with an infinite or NaN scale (an infinity or a NaN among their values: block_absmax's
  * rule, an infinity outranking a NaN) take the scalar encode of every kind, whose ``normalized``
@@ -581,7 +582,7 @@ static inline void encode8_finish(const enc8_part_t *part, const __m512i t[4][4]
 /* fp8_code of 16 values at once, as bytes: the same integer and float steps in 32-bit lanes (the
  * subnormal sum is the same float addition); bounded: the values of an fp8_bounded block, which need
  * neither the saturation nor the NaN step */
-static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
+static inline __m512i fp8_code16_lanes(__m512 y, int is_signed, int bounded) {
     const __m512i bits = _mm512_castps_si512(y), abs_mask = _mm512_set1_epi32(0x7fffffff);
     const __m512i mag = _mm512_and_si512(bits, abs_mask), denorm_mask = _mm512_set1_epi32(141 << 23);
     const __m512i sub = _mm512_sub_epi32(
@@ -604,7 +605,10 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
         code = _mm512_mask_mov_epi32(code, low_zero & _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ), _mm512_set1_epi32(1));
         code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ), _mm512_setzero_si512());
     }
-    return _mm512_cvtepi32_epi8(code);
+    return code;
+}
+static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
+    return _mm512_cvtepi32_epi8(fp8_code16_lanes(y, is_signed, bounded));
 }
 
 /* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
@@ -641,6 +645,30 @@ static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr, uint6
                                              _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)),
                                              _CMP_LT_OQ));
     return _mm512_mask_add_epi32(c, up, c, one);
+}
+
+/* the values of codes 0x00..0x7e in 32-bit lanes (fp8_non_negative_value8's steps) */
+static inline __m512 fp8_non_negative_value16(__m512i code) {
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(code, 20)), _mm512_set1_ps(0x1p120f));
+}
+
+/* fp8_sr_code8 on 16 values, as bytes: the same steps with masks, the draws of the flat indices base .. base + 15
+ * under the state's key (sr_draw_512) */
+static inline __m128i fp8_sr_code16(__m512 y, uint64_t key, uint64_t base) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i nearest = fp8_code16_lanes(y, 0, 0);
+    const __mmask16 positive = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512i c = _mm512_mask_mov_epi32(one, positive, nearest);
+    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_non_negative_value16(c), y, _CMP_GT_OQ), c, one);
+    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
+    const __m512 lo = fp8_non_negative_value16(c), hi = fp8_non_negative_value16(_mm512_add_epi32(c, one));
+    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
+                         (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
+                                             _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)), _CMP_LT_OQ));
+    c = _mm512_max_epi32(_mm512_mask_add_epi32(c, up, c, one), one);
+    return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(nearest, positive, c));
 }
 #endif
 
@@ -923,9 +951,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
     }
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
-#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0, n0)                                     \
     if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1) \
-    else if (S##i##_FP8 && !S##i##_SR) FP8_LOOP16(i, x, bn, div, out, j0, 0)
+    else if (S##i##_FP8 && !S##i##_SR) FP8_LOOP16(i, x, bn, div, out, j0, 0)               \
+    else if (S##i##_FP8) FP8_SR_LOOP16(i, x, bn, div, out, j0, n0)
+/* fp8 codes of x[j0..] / div rounded stochastically (fp8_sr_code16), 16 at a time while 16 remain (n0: x[0]'s
+ * flat index) */
+#define FP8_SR_LOOP16(i, x, bn, div, out, j0, n0)                                         \
+    for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
+        _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
+                         fp8_sr_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), skey##i, \
+                                       (n0) + (uint64_t)(j0)));
 #define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
         _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
@@ -935,7 +971,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
 #define FLUSH_ENC8(i)
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0, n0)
-#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0, n0)
 #endif
 #if HAVE_AVX2
 #define DIV8(x, j0) _mm256_div_ps(_mm256_loadu_ps((x) + (j0)), vdiv_)
@@ -1011,7 +1047,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             int64_t j0 = 0;                                                               \
             if (!NONFINITE_BLOCK(div)) {                                                  \
                 ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                \
-                ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                             \
+                ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0, n0)                         \
                 ENCODE8_AVX2(i, x, bn, div, cp + b0, j0, n0)                              \
             }                                                                             \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
