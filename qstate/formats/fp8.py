@@ -15,6 +15,31 @@ happens where the scale is subnormal (a block's absmax under
 ``448 * 2**-126``): ``absmax / 448`` is then coarse (absmax
 ``1000 * 2**-149`` has the scale ``2 * 2**-149``, and that element is 500
 scales).
+
+Rounding: signed states round to nearest (``rounding="nearest"``), the
+conversion above. Unsigned states also implement ``rounding="stochastic"``
+(:mod:`qstate.formats._rounding`'s spec, :func:`stochastic_code`) on the
+sorted map of the 127 non-negative finite codes ``0x00..0x7e`` (a code's
+value is its ``float8_e4m3fn`` value, so for ``y >= 0`` the code is the index
+in that map): a positive ``y`` takes the code below or above it with
+probabilities that make the expected decoded value ``y`` (a ``y`` past 448
+takes 448's code), then the never-0 rule above (a positive value below
+``2**-9`` rounds up to ``0x01``); ``y <= 0`` (``-0.0`` included) and NaN keep
+their nearest codes. Why unsigned states: a second moment is an EMA whose
+per-step change (``1 - beta2`` of its value: 0.1% for Adam's default
+``beta2 = 0.999``) is far below half the
+3-bit mantissa's step (``2**-5`` relative), so round-to-nearest writes most
+of them back unchanged and they stop tracking the gradients; stochastic
+rounding keeps each one's expectation. Decoding does not depend on the
+rounding: a state's codes always decode as their ``float8_e4m3fn`` values
+times the scale.
+
+Range: codes span ``2**-9 .. 448`` times the scale, so a block holds values
+down to ``absmax * 2**-17.8``; smaller positive values of an unsigned block
+read back as ``2**-9 * scale`` (too large, never 0). Scales are float32:
+a block whose absmax is below ``448 * 2**-149`` (about ``6e-43``) has a
+scale that underflows to 0 or to a coarse subnormal, so it decodes as zeros
+(only an all-zero block should) or with the larger errors above.
 """
 
 from __future__ import annotations
@@ -25,11 +50,15 @@ import torch
 from torch import Tensor
 
 from ._base import BlockFormat
+from ._rounding import stochastic_code
 
 __all__ = ["Float8Format", "FP8"]
 
 _E4M3 = torch.float8_e4m3fn
 _SMALLEST_SUBNORMAL_BITS = 1  # 0x01 == 2**-9
+#: the values of the non-negative finite codes 0x00..0x7e (0, 2**-9, ..., 448), sorted: the map that
+#: unsigned states round stochastically on (the code of y >= 0 is its index here)
+NON_NEGATIVE_VALUES = torch.arange(127, dtype=torch.uint8).view(_E4M3).float()
 
 
 class Float8Format(BlockFormat):
@@ -51,19 +80,32 @@ class Float8Format(BlockFormat):
         s0 = absmax / self.max_code
         return (s0 * self.max_code) / self.max_code
 
+    def supports_rounding(self, rounding: str, signed: bool) -> bool:
+        """Nearest for every state; stochastic for unsigned states (module docstring)."""
+        return rounding == "nearest" or (rounding == "stochastic" and not signed)
+
     def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
                 draws: Optional[Tensor] = None) -> Tensor:
-        assert rounding == "nearest", rounding  # supports_rounding: nearest only
+        assert self.supports_rounding(rounding, signed), (rounding, signed)
         codes = y.clamp(-self.max_code, self.max_code).to(_E4M3).view(torch.uint8)
         if not signed:
             codes = torch.where((codes == 0) & (y > 0), _SMALLEST_SUBNORMAL_BITS, codes)
             codes = torch.where(y < 0, 0, codes).to(torch.uint8)
+        if rounding == "stochastic":
+            positive = y > 0
+            # a positive y's nearest code is in [0x01, 0x7e]: its index in the map
+            nearest = torch.where(positive, codes, _SMALLEST_SUBNORMAL_BITS).long()
+            rounded = stochastic_code(y, nearest, NON_NEGATIVE_VALUES.to(y.device), draws)
+            rounded = rounded.clamp_min(_SMALLEST_SUBNORMAL_BITS)  # never 0 for y > 0
+            codes = torch.where(positive, rounded, codes).to(torch.uint8)
         return codes
 
     def value_of(self, codes: Tensor, qmap: Optional[Tensor]) -> Tensor:
         return codes.view(_E4M3).float()
 
     def max_abs_error(self, x: Tensor, scale_per_element: Tensor, signed: bool) -> Tensor:
+        """Round-to-nearest's bound: half a code step (``2**-4`` relative) plus the subnormal step; stochastic
+        rounding (unsigned states) may take the other neighbour: up to a whole step (``2**-3`` relative)."""
         subnormal = scale_per_element * 2.0**-9
         return x.abs() * 2.0**-4 + subnormal
 

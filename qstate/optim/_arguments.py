@@ -11,7 +11,10 @@ Common keyword-only arguments (see ``_base.py`` for the policy):
   parameter and step, the same on every rank and path; the map formats
   ``8bit``/``4bit`` implement it). None: stochastic for ``4bit``
   (whose round-to-nearest stalls small EMA increments), nearest otherwise.
-  Unsigned states (second moments) always round to nearest. Each state keeps
+  Unsigned states (second moments) round stochastically in ``fp8`` (whose
+  3 mantissa bits hold an EMA's 0.1% steps still under round-to-nearest;
+  never to 0) and to nearest in the other formats, whatever this option
+  says. Each state keeps
   its rounding (``QuantizedState.rounding``); loading a checkpoint whose
   states round otherwise raises;
 * ``min_quantize_numel`` (4096): parameters with fewer elements keep float32

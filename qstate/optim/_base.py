@@ -16,7 +16,8 @@ argument checks and static flags; everything else lives here:
   state): signed states (first moments, momentum buffers) round
   stochastically (unbiased) in ``4bit`` and to nearest in other formats,
   unless the group's ``state_rounding`` (``"nearest"``/``"stochastic"``) says
-  otherwise; unsigned states (second moments) always round to nearest. With
+  otherwise; unsigned states (second moments) round stochastically in ``fp8``
+  (:data:`UNSIGNED_STOCHASTIC`) and to nearest in other formats, whatever the option. With
   round-to-nearest a 4-bit EMA ``m <- m + 0.1 (g - m)`` never moves a code while
   the increment is under half a map step (see ``qstate/formats/map_formats.py``).
 * **states**: created at the first step with ``qstate.zeros_like(p, fmt,
@@ -140,24 +141,32 @@ def STATE_FORMATS() -> list[str]:
 STOCHASTIC_BY_DEFAULT = frozenset({"4bit"})
 
 
+#: formats whose unsigned states (second moments) round stochastically, whatever ``state_rounding``
+#: says: fp8's 3 mantissa bits hold an EMA's 0.1% steps (beta2 = 0.999) still under round-to-nearest
+#: (qstate.formats.fp8); its stochastic rounding never takes a positive value to 0
+UNSIGNED_STOCHASTIC = frozenset({"fp8"})
+
+
 def state_rounding(fmt: str, signed: bool, option: Optional[str]) -> str:
     """The rounding of a quantized ``fmt`` state given the group's ``state_rounding`` ``option``.
 
-    Unsigned states (second moments) always round to nearest: stochastic rounding could take a
-    positive value down to 0. Signed states take ``option``, or when it is None ``"stochastic"``
+    Unsigned states (second moments) round stochastically for :data:`UNSIGNED_STOCHASTIC` formats
+    and to nearest for the others (their stochastic rounding could take a positive value down to 0),
+    whatever ``option`` says. Signed states take ``option``, or when it is None ``"stochastic"``
     for :data:`STOCHASTIC_BY_DEFAULT` formats and ``"nearest"`` for the others.
     """
     if not signed:
-        return "nearest"
+        return "stochastic" if fmt in UNSIGNED_STOCHASTIC else "nearest"
     if option is None:
         return "stochastic" if fmt in STOCHASTIC_BY_DEFAULT else "nearest"
     return option
 
 
 def _rounds_states_stochastically(group: dict) -> bool:
-    """Whether ``group``'s quantized signed states round stochastically (:func:`state_rounding`)."""
+    """Whether ``group``'s quantized signed or unsigned states round stochastically (:func:`state_rounding`)."""
     fmt = group["state_format"]
-    return fmt not in PLAIN_FORMATS and state_rounding(fmt, True, group["state_rounding"]) == "stochastic"
+    return fmt not in PLAIN_FORMATS and "stochastic" in (state_rounding(fmt, True, group["state_rounding"]),
+                                                         state_rounding(fmt, False, group["state_rounding"]))
 
 
 def _rounds_stochastically(group: dict) -> bool:

@@ -97,6 +97,10 @@ CASES = {
     "lion_8bit_beta1_low": (_lion_beta1_low, torch.float32, [("8bit", True, 256)]),
     "adamw_fp8": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128)]),
     "sgd_fp8_nesterov_bf16": (_sgd_4bit_nesterov, torch.bfloat16, [("fp8", True, 64)]),
+    # fp8 second moments rounded stochastically (the optimizers' default for unsigned fp8 states)
+    "adamw_fp8_stochastic": (_adamw_8bit, torch.float32, [("fp8", True, 256), ("fp8", False, 128, SR)]),
+    "adam_fp8_amsgrad_bf16_stochastic": (_adam_amsgrad, torch.bfloat16,
+                                         [("fp8", True, 64), ("fp8", False, 128, SR), ("fp8", False, 96, SR)]),
     "adamw_fp32_states": (_adamw_8bit, torch.float32, [("fp32", True, 0), ("fp32", False, 0)]),
     "adam_amsgrad_bf16_states_bf16": (_adam_amsgrad, torch.bfloat16,
                                       [("bf16", True, 0), ("bf16", False, 0), ("bf16", False, 0)]),
@@ -139,7 +143,8 @@ def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
     _assert_same_bits(_run(case, c_kernel=True), _inductor(case))
 
 
-@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8", "lion_8bit_block_100_stochastic"])
+@pytest.mark.parametrize("case", ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8", "lion_8bit_block_100_stochastic",
+                                  "adamw_fp8_stochastic"])
 def test_c_kernel_equals_inductor_kernel_at_extreme_magnitudes(case):
     # blocks whose scales range from subnormal to about 2**43, for each kind of quantized state (fp8's
     # saturation, which needs a scale of a few subnormal steps: test_fp8_blocks_with_subnormal_scales_...)

@@ -279,7 +279,34 @@ def test_torch_adam_converted_to_every_format(fmt):
                 dtype = torch.bfloat16 if fmt == "bf16" and p.numel() >= 100 else torch.float32
                 assert torch.equal(got, want.to(dtype)), (i, name)
             else:
-                rounding = "stochastic" if fmt == "4bit" and signed else "nearest"
+                # 4bit first moments and fp8 second moments round stochastically
+                rounding = "stochastic" if (fmt, signed) in (("4bit", True), ("fp8", False)) else "nearest"
                 assert _same(got, qstate.quantize(want, fmt, signed=signed, rounding=rounding)), name
     _steps(opt, qs, 3, 1)
     assert all(torch.isfinite(q).all() for q in qs)
+
+
+class TestFp8CheckpointBeforeStochasticSecondMoments(expecttest.TestCase):
+    def test_nearest_second_moments_are_refused_then_converted(self):
+        # an fp8 checkpoint from before unsigned fp8 states rounded stochastically: its second moments are
+        # nearest states. Their codes would decode the same, but they are not the kind the optimizer keeps:
+        # loading raises and changes nothing; convert_state_dict re-encodes them
+        def fp8(ps):
+            return AdamW(ps, lr=1e-2, state_format="fp8", min_quantize_numel=100, compile=False)
+
+        _, old = _trained(fp8)
+        sd = copy.deepcopy(old.state_dict())
+        v = sd["state"][0]["exp_avg_sq"]
+        assert v.rounding == "stochastic"
+        sd["state"][0]["exp_avg_sq"] = qstate.quantize(v.dequantize(), "fp8", signed=False)
+        ps, opt = _trained(fp8, n=2)
+        before = _snapshot(opt)
+        self.assertExpectedInline(_err(lambda: opt.load_state_dict(copy.deepcopy(sd))), """ValueError: AdamW: param 0 (shape (64, 100), torch.float32), state 'exp_avg_sq': expected a fp8 unsigned block_size=256 rounding=stochastic state (state_format='fp8', state_rounding=None, min_quantize_numel=100), got fp8 unsigned block_size=256; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, optimizer)""")
+        _assert_unchanged(opt, before)
+        opt.load_state_dict(convert_state_dict(sd, opt))
+        got = opt.state[ps[0]]["exp_avg_sq"]
+        assert got.rounding == "stochastic"
+        # the same values within one code step (values on a code re-encode to it but for the last bits)
+        want = sd["state"][0]["exp_avg_sq"].dequantize()
+        assert torch.allclose(got.dequantize(), want, rtol=2**-3, atol=0)
+        _steps(opt, ps, 2, 1)

@@ -285,10 +285,112 @@ def test_stochastic_codes_of_row_slices_equal_the_whole(fmt, seed, rows, cols, b
     assert torch.equal(whole[a:b].dequantize(), part.dequantize())
 
 
-@pytest.mark.parametrize("fmt,signed", [("4bit", False), ("8bit", False), ("fp8", True), ("fp8", False)])
+@pytest.mark.parametrize("fmt,signed", [("4bit", False), ("8bit", False), ("fp8", True)])
 def test_stochastic_rounding_is_rejected_where_not_implemented(fmt, signed):
     with pytest.raises(ValueError, match="is not implemented for"):
         qstate.quantize(torch.rand(4, 8), fmt, signed=signed, rounding="stochastic")
     with pytest.raises(ValueError, match="is not implemented for"):
         qstate.zeros_like(torch.rand(4, 8), fmt, signed=signed, rounding="stochastic")
     assert not get_format(fmt).supports_rounding("stochastic", signed)
+
+
+# ------------------------------------------------------------------ fp8: stochastic rounding of unsigned states
+#: float8_e4m3fn's non-negative finite values by code (0x00..0x7e), computed from the encoding's definition
+#: (exponent bias 7, 3 mantissa bits, subnormals below 2**-6) rather than by torch's conversion
+FP8_NON_NEGATIVE = [(c & 7) * 2.0**-9 if c < 8 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7) for c in range(127)]
+
+
+def _fp8_spread(seed: int, n: int) -> torch.Tensor:
+    """Normalized values of unsigned fp8 states: positive over 2**-14 .. 2**9 (below the smallest code, subnormal,
+    normal, past 448), every code's value, and the special values."""
+    g = torch.Generator().manual_seed(seed)
+    y = 2.0 ** (23 * torch.rand(n, generator=g) - 14)
+    special = [0.0, -0.0, -1.0, -1e-30, 448.0, 464.0, 1e30, float("inf"), float("nan")]
+    return torch.cat([y, torch.tensor(FP8_NON_NEGATIVE), torch.tensor(special)])
+
+
+def test_fp8_non_negative_values_are_the_codes_values():
+    from qstate.formats.fp8 import NON_NEGATIVE_VALUES
+
+    assert NON_NEGATIVE_VALUES.tolist() == FP8_NON_NEGATIVE
+
+
+@settings(max_examples=10)
+@given(seed=st.integers(0, 2**31))
+def test_fp8_unsigned_stochastic_codes_equal_the_scalar_reference(seed):
+    # the shared spec (reference_stochastic_code) on the non-negative codes, then never 0 for y > 0; y <= 0
+    # and NaN keep round-to-nearest's codes
+    f = get_format("fp8")
+    y = _fp8_spread(seed, 300)
+    got = f.code_of(y, False, None, rounding="stochastic").tolist()
+    nearest = f.code_of(y, False, None).tolist()
+    want = [max(1, reference_stochastic_code(v, FP8_NON_NEGATIVE)) if v > 0 else c
+            for v, c in zip(y.tolist(), nearest)]
+    assert got == want
+
+
+def test_fp8_unsigned_stochastic_rounding_takes_a_neighbouring_code_never_zero():
+    f = get_format("fp8")
+    grid = torch.tensor(FP8_NON_NEGATIVE)
+    y = _fp8_spread(0, 100_000)
+    y = y[y > 0]
+    sr = f.code_of(y, False, None, rounding="stochastic").long()
+    below = (torch.searchsorted(grid, y, right=True) - 1).clamp(0, 125)
+    assert bool(((sr == below) | (sr == below + 1)).all())
+    assert bool((sr >= 1).all())
+    on_grid = y <= 448
+    on_grid &= grid[below.clamp(max=126)] == y
+    assert torch.equal(sr[on_grid], below[on_grid])  # values on a code encode exactly
+    assert bool((sr[y >= 448] == 126).all())
+    # blocks: the same scales as round-to-nearest, exact zeros and absmaxes, and the round trip within one
+    # code step: 2**-3 relative (normal codes) plus the subnormal step 2**-9 * scale
+    x = torch.rand(5, 300, generator=torch.Generator().manual_seed(1)) ** 8
+    x[1] = 0
+    x[2, :7] = 0
+    sr_q = qstate.quantize(x, "fp8", signed=False, rounding="stochastic", block_size=64)
+    rn_q = qstate.quantize(x, "fp8", signed=False, block_size=64)
+    assert torch.equal(sr_q.scale, rn_q.scale)
+    deq = sr_q.dequantize()
+    assert torch.equal(deq == 0, x == 0)
+    scale = sr_q.scale.repeat_interleave(64, 1)[:, :300]
+    assert bool(((deq - x).abs() <= x * 2.0**-3 + scale * 2.0**-9).all())
+    is_max = x == scale * 448
+    assert torch.equal(deq[is_max], x[is_max])
+
+
+@pytest.mark.parametrize("code", [0, 1, 5, 8, 20, 56, 100, 125])
+@settings(max_examples=5)
+@given(frac=st.floats(0.02, 0.98))
+def test_fp8_unsigned_stochastic_rounding_is_unbiased_between_two_codes(code, frac):
+    # consecutive float32 values around lo + frac * (hi - lo), subnormal and normal steps: the mean decoded
+    # value equals the mean value (Bernoulli std of the mean: about 0.0011 of the step)
+    f = get_format("fp8")
+    lo, hi = FP8_NON_NEGATIVE[code], FP8_NON_NEGATIVE[code + 1]
+    start = torch.tensor(lo + frac * (hi - lo), dtype=torch.float32).view(torch.int32)
+    y = (start - 100_000 + torch.arange(200_000, dtype=torch.int32)).view(torch.float32)
+    y = y[(y > lo) & (y < hi)]
+    decoded = f.code_of(y, False, None, rounding="stochastic").view(torch.float8_e4m3fn).double()
+    if code == 0:  # below the smallest positive code: never 0, so every value takes it
+        assert bool((decoded == hi).all())
+        return
+    assert abs(float(decoded.mean() - y.double().mean())) < 0.007 * (hi - lo)
+    assert bool(((decoded == lo) | (decoded == hi)).all())
+
+
+def test_fp8_ema_held_by_round_to_nearest_follows_its_decay_with_stochastic_rounding():
+    # v <- 0.999 v (AdamW's second moment with beta2 = 0.999 and no gradient) for 700 steps from 96 (a code): the
+    # 0.1% step is under half a code step (2**-5 relative), so round-to-nearest keeps every v at 96, while
+    # stochastic rounding (new draws each step, as the optimizers' per-step keys give) follows 96 * 0.999**700
+    from qstate.formats import position_hash32
+
+    f = get_format("fp8")
+    index = torch.arange(4096)
+    v_rn = v_sr = torch.full((4096,), 96.0)
+    keys = torch.randint(0, 2**62, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+    for key in keys:  # a random 64-bit key per step, as the optimizers draw them
+        v_rn = f.code_of(v_rn * 0.999, False, None).view(torch.float8_e4m3fn).float()
+        draws = position_hash32(key, index)
+        v_sr = f.code_of(v_sr * 0.999, False, None, "stochastic", draws).view(torch.float8_e4m3fn).float()
+    assert bool((v_rn == 96).all())
+    exact = 96 * 0.999**700
+    assert abs(float(v_sr.double().mean()) / exact - 1) < 0.02

@@ -12,7 +12,7 @@
  *   NSTATES                              number of quantized states (1..3)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
- *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states), map entries
+ *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states, unsigned fp8 states), map entries
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
@@ -34,14 +34,16 @@
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
  * divisor 1), and each element encoded as Codec.encode does: the packed-table nearest code
- * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8.
+ * (then stochastic rounding for S<i>_SR states), or torch's float8_e4m3fn conversion for fp8 (then, for
+ * S<i>_SR states, unsigned, stochastic rounding of positive values on the codes 0x00..0x7e, never to 0).
  * Stochastic rounding draws by position (qstate/formats/_rounding.py): the element at flat index n of the
  * full tensor (``starts`` + row * row_len + column) draws position_hash(key, n), from the caller's 64-bit key
  * for a PARAM_SR parameter (param_draw: its top 16 bits), from STATE_KEY(key, i) for state i (stochastic_code,
  * and the vector 4-bit encodes' sr_draw_W: the same draws lane by lane).
  * With AVX-512 VBMI, 8-bit map states rounded to nearest encode 64 values at a time without
  * the table's gathers (encode8_64: the same codes, from in-register tables) and fp8 states 16 at a
- * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats), 4-bit map states
+ * time (fp8_code16: fp8_code's steps in 32-bit lanes; equal on all 2**32 floats; fp8_sr_code16 for
+ * stochastic rounding), 4-bit map states
  * 16 at a time (map4_code16: a search of the code thresholds, or of the map for stochastic rounding).
  * Blocks with an infinite or NaN scale (an infinity or a NaN among their values: block_absmax's
  * rule, an infinity outranking a NaN) take the scalar encode of every kind, whose ``normalized``
@@ -50,7 +52,8 @@
  * fp8 states encode 8 values at a time (fp8_code8) and decode from the codes' bits (fp8_value8), 4-bit map states encode 8 at a time (map4_code8, the same
  * search) and decode from two registers (lookup16), and 8-bit map states rounded to nearest encode 8
  * at a time (table_code8: ENCODE's steps in vectors around 8 loads from the packed table). Everything
- * else (stochastic rounding of 8-bit map states included), and every tail, uses the scalar
+ * else (stochastic rounding of 8-bit map states included; fp8 states rounded stochastically encode 8 at a
+ * time, fp8_sr_code8), and every tail, uses the scalar
  * definitions, which the portable build runs throughout.
  * Compiled with -ffp-contract=off: no fused multiply-adds the eager ops lack.
  *
@@ -331,6 +334,9 @@ static inline uint8_t fp8_code(float y, int is_signed) {
  * divisor (Float8Format.scale_of: two more roundings) is within 2**-22 of amax / 448, so |y| <= 448 (1 + 2**-21). A subnormal one may be off by far
  * more (amax 1000 * 2**-149 has the divisor 2 * 2**-149, and y = 500), an infinite or NaN one gives NaN
  * values. */
+/* fp8 stochastic rounding's map (qstate.formats.fp8.NON_NEGATIVE_VALUES): the codes 0x00..0x7e, the first
+ * entries of an fp8 state's qmap (the values by code), sorted */
+#define FP8_NON_NEGATIVE_CODES 127
 static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
 
 /* x / div, or the smallest subnormal of its sign where that underflows to 0 for x != 0: the quotient's bits or 1
@@ -392,7 +398,12 @@ static inline __m256i float_rank_256(__m256 x) {
 #define ENCODE(i, y, out, h)                                                           \
     do {                                                                               \
         if (S##i##_FP8) {                                                              \
-            (out) = fp8_code((y), S##i##_SIGNED);                                      \
+            const float y8_ = (y);                                                     \
+            (out) = fp8_code(y8_, S##i##_SIGNED);                                      \
+            if (S##i##_SR && y8_ > 0.0f) { /* unsigned states only; never 0 */         \
+                const int32_t c8_ = stochastic_code(y8_, (out), qmap##i, FP8_NON_NEGATIVE_CODES, (h)); \
+                (out) = (uint8_t)(c8_ > 1 ? c8_ : 1);                                  \
+            }                                                                          \
             break;                                                                     \
         }                                                                              \
         uint32_t bits_ = f2u(fabsf(y));                                                \
@@ -618,7 +629,7 @@ static inline void encode8_finish(const enc8_part_t *part, const __m512i t[4][4]
 /* fp8_code of 16 values at once, as bytes: the same integer and float steps in 32-bit lanes (the
  * subnormal sum is the same float addition); bounded: the values of an fp8_bounded block, which need
  * neither the saturation nor the NaN step */
-static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
+static inline __m512i fp8_code16_lanes(__m512 y, int is_signed, int bounded) {
     const __m512i bits = _mm512_castps_si512(y), abs_mask = _mm512_set1_epi32(0x7fffffff);
     const __m512i mag = _mm512_and_si512(bits, abs_mask), denorm_mask = _mm512_set1_epi32(141 << 23);
     const __m512i sub = _mm512_sub_epi32(
@@ -641,7 +652,10 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
         code = _mm512_mask_mov_epi32(code, low_zero & _mm512_cmp_ps_mask(y, zero, _CMP_GT_OQ), _mm512_set1_epi32(1));
         code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ), _mm512_setzero_si512());
     }
-    return _mm512_cvtepi32_epi8(code);
+    return code;
+}
+static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
+    return _mm512_cvtepi32_epi8(fp8_code16_lanes(y, is_signed, bounded));
 }
 
 /* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
@@ -679,6 +693,30 @@ static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr, uint6
                                              _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)),
                                              _CMP_LT_OQ));
     return _mm512_mask_add_epi32(c, up, c, one);
+}
+
+/* the values of codes 0x00..0x7e in 32-bit lanes (fp8_non_negative_value8's steps) */
+static inline __m512 fp8_non_negative_value16(__m512i code) {
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(code, 20)), _mm512_set1_ps(0x1p120f));
+}
+
+/* fp8_sr_code8 on 16 values, as bytes: the same steps with masks, the draws of the flat indices base .. base + 15
+ * under the state's key (sr_draw_512) */
+static inline __m128i fp8_sr_code16(__m512 y, uint64_t key, uint64_t base) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i nearest = fp8_code16_lanes(y, 0, 0);
+    const __mmask16 positive = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __m512i c = _mm512_mask_mov_epi32(one, positive, nearest);
+    c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_non_negative_value16(c), y, _CMP_GT_OQ), c, one);
+    c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
+    const __m512 lo = fp8_non_negative_value16(c), hi = fp8_non_negative_value16(_mm512_add_epi32(c, one));
+    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
+                         (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
+                          _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
+                                             _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)), _CMP_LT_OQ));
+    c = _mm512_max_epi32(_mm512_mask_add_epi32(c, up, c, one), one);
+    return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(nearest, positive, c));
 }
 #endif
 
@@ -764,6 +802,34 @@ static inline __m256i fp8_code8(__m256 y, int is_signed, int bounded) {
         code = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(y, zero, _CMP_LT_OQ)), code);
     }
     return code;
+}
+
+/* fp8_value8's values of codes 0x00..0x7e (no sign, no NaN): the code's bits as a float's exponent and mantissa,
+ * rebiased (exact, subnormal codes included) */
+static inline __m256 fp8_non_negative_value8(__m256i code) {
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(code, 20)), _mm256_set1_ps(0x1p120f));
+}
+
+/* ENCODE of 8 values of an unsigned fp8 state rounded stochastically (fp8_code, then for y > 0 stochastic_code on
+ * the codes 0x00..0x7e, whose values fp8_non_negative_value8 gives, and never 0), with the draws of the flat
+ * indices base .. base + 7 under the state's key (sr_draw_256) */
+static inline __m256i fp8_sr_code8(__m256 y, uint64_t key, uint64_t base) {
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i nearest = fp8_code8(y, 0, 0);
+    const __m256 positive = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ);
+    /* a positive y's nearest code is in [1, 126]; the other lanes keep theirs */
+    __m256i c = _mm256_blendv_epi8(one, nearest, _mm256_castps_si256(positive));
+    c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_non_negative_value8(c), y, _CMP_GT_OQ)));
+    c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
+    const __m256 lo = fp8_non_negative_value8(c), hi = fp8_non_negative_value8(_mm256_add_epi32(c, one));
+    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 up = _mm256_or_ps(
+        _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
+        _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
+                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
+                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+    c = _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), one);
+    return _mm256_blendv_epi8(nearest, c, _mm256_castps_si256(positive));
 }
 
 /* tab[idx[k]] for the 8 lanes k (each index >= 0): scalar loads at the lanes' indices, extracted two at a time
@@ -934,9 +1000,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
         }                                                                                 \
     }
 /* fp8 codes of x[j0..] / div, 16 at a time, while 16 remain (j0 moves past them) */
-#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)                                         \
-    if (S##i##_FP8 && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1)             \
-    else if (S##i##_FP8) FP8_LOOP16(i, x, bn, div, out, j0, 0)
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0, n0)                                     \
+    if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) FP8_LOOP16(i, x, bn, div, out, j0, 1) \
+    else if (S##i##_FP8 && !S##i##_SR) FP8_LOOP16(i, x, bn, div, out, j0, 0)               \
+    else if (S##i##_FP8) FP8_SR_LOOP16(i, x, bn, div, out, j0, n0)
+/* fp8 codes of x[j0..] / div rounded stochastically (fp8_sr_code16), 16 at a time while 16 remain (n0: x[0]'s
+ * flat index) */
+#define FP8_SR_LOOP16(i, x, bn, div, out, j0, n0)                                         \
+    for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
+        _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
+                         fp8_sr_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), skey##i, \
+                                       (n0) + (uint64_t)(j0)));
 #define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
         _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
@@ -946,7 +1020,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define ENCODE8_VECTOR(i, x, bn, div, out, j0)
 #define FLUSH_ENC8(i)
 #define ENCODE4_VECTOR(i, x, bn, div, bp, j0, n0)
-#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0)
+#define ENCODE_FP8_VECTOR(i, x, bn, div, out, j0, n0)
 #endif
 #if HAVE_AVX2
 #define DIV8(x, j0) nonzero_quotient_256(_mm256_loadu_ps((x) + (j0)), vdiv_)
@@ -956,10 +1030,16 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
                                          : table_code8((y), tab##i, S##i##_SHIFT, S##i##_BASE, S##i##_K, \
                                                        S##i##_SIGNED, S##i##_ZERO))
 /* 8-bit codes of x[j0..] / div, 32 at a time, then 8 at a time while 8 remain (j0 moves past them); map states
- * with stochastic rounding stay scalar */
-#define ENCODE8_AVX2(i, x, bn, div, out, j0)                                              \
-    if (S##i##_FP8 && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1)         \
-    else if (S##i##_FP8 || !S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)
+ * with stochastic rounding stay scalar, fp8 ones take FP8_SR_LOOP8 */
+#define ENCODE8_AVX2(i, x, bn, div, out, j0, n0)                                          \
+    if (S##i##_FP8 && !S##i##_SR && fp8_bounded(div)) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 1) \
+    else if (!S##i##_SR) ENCODE8_LOOPS8(i, x, bn, div, out, j0, 0)                         \
+    else if (S##i##_FP8) FP8_SR_LOOP8(i, x, bn, div, out, j0, n0)
+/* fp8 codes of x[j0..] / div rounded stochastically (fp8_sr_code8), 8 at a time while 8 remain (n0: x[0]'s
+ * flat index) */
+#define FP8_SR_LOOP8(i, x, bn, div, out, j0, n0)                                          \
+    for (const __m256 vdiv_ = _mm256_set1_ps(div); (j0) + 8 <= (bn); (j0) += 8)           \
+        store_codes8(fp8_sr_code8(DIV8(x, j0), skey##i, (n0) + (uint64_t)(j0)), (out) + (j0));
 #define ENCODE8_LOOPS8(i, x, bn, div, out, j0, bounded)                                   \
     {                                                                                     \
         const __m256 vdiv_ = _mm256_set1_ps(div);                                         \
@@ -982,7 +1062,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
                            (bp) + (j0) / 2);                                      \
     }
 #else
-#define ENCODE8_AVX2(i, x, bn, div, out, j0)
+#define ENCODE8_AVX2(i, x, bn, div, out, j0, n0)
 #define ENCODE4_AVX2(i, x, bn, div, bp, j0, n0)
 #endif
 
@@ -1016,8 +1096,8 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
             int64_t j0 = 0;                                                               \
             if (!NONFINITE_BLOCK(div)) {                                                  \
                 ENCODE8_VECTOR(i, x, bn, div, cp + b0, j0)                                \
-                ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0)                             \
-                ENCODE8_AVX2(i, x, bn, div, cp + b0, j0)                                  \
+                ENCODE_FP8_VECTOR(i, x, bn, div, cp + b0, j0, n0)                         \
+                ENCODE8_AVX2(i, x, bn, div, cp + b0, j0, n0)                              \
             }                                                                             \
             /* ivdep: codes never alias the tables; unrolled: independent lookups overlap */ \
             _Pragma("GCC ivdep") _Pragma("GCC unroll 4")                                  \
