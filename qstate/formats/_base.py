@@ -98,6 +98,38 @@ def _all_finite_on_cpu(amax: Tensor) -> bool:
             and bool(amax.isfinite().all()))
 
 
+def row_blocks(x: Tensor, block_size: int) -> list[Tensor]:
+    """Rows ``x`` (``[R, L]``) as blocks: ``[R, L // block_size, block_size]`` over the whole
+    blocks (if ``L >= block_size`` or ``L == 0``), then ``[R, 1, L % block_size]`` over the partial last blocks
+    (if any). Views of ``x`` when its last dim is contiguous; never padded.
+
+    The encode and the decode compute on these parts and join them (:func:`join_row_blocks`)
+    rather than padding rows to whole blocks, viewing them as blocks and slicing the padding
+    off: inside ``torch.compile`` (inductor, CPU; torch 2.13 and 2.14) that pattern reads an
+    element's block as ``column // block_size`` in a loop over ``L`` columns, which inductor's
+    CPU loop split cuts to ``(L // block_size) * block_size`` columns, leaving the rest of the
+    output unwritten (``upstream/issues/inductor-pad-view-slice-cpu.md``). Here every loop that
+    divides by the block size runs over whole blocks, and a partial block has one scale.
+    """
+    rows, row_len = x.shape
+    whole = row_len // block_size * block_size
+    parts = []
+    if whole or not row_len:
+        parts.append(x[:, :whole].unflatten(1, (whole // block_size, block_size)))
+    if whole != row_len:
+        parts.append(x[:, whole:].unsqueeze(1))
+    return parts
+
+
+def join_row_blocks(parts: list[Tensor]) -> Tensor:
+    """Inverse of :func:`row_blocks`: blocks of rows (``[R, n, b]`` each) -> rows ``[R, L]``."""
+    return _cat_columns([p.flatten(1) for p in parts])
+
+
+def _cat_columns(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 class BlockFormat:
     """Base of all formats: blockwise absmax scaling around a per-format code.
 
@@ -210,42 +242,40 @@ class BlockFormat:
         draws: Optional[Tensor] = None,
     ) -> tuple[Tensor, Tensor]:
         """Quantize rows ``x`` (``[R, L]``, any float dtype) -> ``(codes, scale)`` (``draws``: stochastic
-        rounding's draws by position, ``[R, L]``, see :meth:`code_of`)."""
-        rows, row_len = x.shape
-        nblocks = -(-row_len // block_size)
+        rounding's draws by position, ``[R, L]``, see :meth:`code_of`).
+
+        The whole blocks of the rows and their partial last blocks are encoded apart
+        (:func:`row_blocks`), without padding, and joined."""
         x = x.float()
-        padded = nblocks * block_size
-        if padded != row_len:
-            x = torch.nn.functional.pad(x, (0, padded - row_len))
-            if draws is not None:  # padding encodes as 0, exactly: its draws are never read
-                draws = torch.nn.functional.pad(draws, (0, padded - row_len))
-        if draws is not None:
-            draws = draws.reshape(rows, nblocks, block_size)
-        blocks = x.view(rows, nblocks, block_size)
-        magnitudes = blocks.abs()
-        amax = magnitudes.amax(dim=-1)
-        if _all_finite_on_cpu(amax):  # the same results, without the passes non-finite blocks need
-            scale = self.scale_of(amax)
-            y = nonzero_quotient(blocks, torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1))
-        else:
-            scale = self.scale_of(block_absmax(magnitudes, amax))
-            y = self.normalize(blocks, scale)
-        codes = self.code_of(y, signed, qmap, rounding=rounding, draws=draws).view(rows, padded)[:, :row_len]
-        return self.pack(codes), scale
+        codes, scales = [], []
+        part_draws = [None] * 2 if draws is None else row_blocks(draws, block_size)
+        for blocks, block_draws in zip(row_blocks(x, block_size), part_draws):
+            magnitudes = blocks.abs()
+            amax = magnitudes.amax(dim=-1)
+            if _all_finite_on_cpu(amax):  # the same results, without the passes non-finite blocks need
+                scale = self.scale_of(amax)
+                y = nonzero_quotient(blocks, torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(-1))
+            else:
+                scale = self.scale_of(block_absmax(magnitudes, amax))
+                y = self.normalize(blocks, scale)
+            codes.append(self.code_of(y, signed, qmap, rounding=rounding, draws=block_draws))
+            scales.append(scale)
+        return self.pack(join_row_blocks(codes)), _cat_columns(scales)
 
     def decode(
         self, codes: Tensor, scale: Tensor, row_len: int, block_size: int, qmap: Optional[Tensor]
     ) -> Tensor:
-        """Dequantize ``(codes, scale)`` -> ``float32 [R, row_len]``."""
-        rows = codes.shape[0]
-        nblocks = scale.shape[1]
-        padded = nblocks * block_size
-        flat = self.unpack(codes, row_len)
-        if padded != row_len:
-            flat = torch.nn.functional.pad(flat, (0, padded - row_len))
-        values = self.value_of(flat, qmap).view(rows, nblocks, block_size)
-        out = (values * scale.unsqueeze(-1)).view(rows, padded)
-        return out[:, :row_len]
+        """Dequantize ``(codes, scale)`` -> ``float32 [R, row_len]``.
+
+        Each element is ``value_of(code) * scale`` of its block; the whole blocks and the partial
+        last blocks are multiplied apart (:func:`row_blocks`) and joined."""
+        values = self.value_of(self.unpack(codes, row_len), qmap)
+        parts, at = [], 0
+        for blocks in row_blocks(values, block_size):
+            n = blocks.shape[1]
+            parts.append(blocks * scale[:, at:at + n].unsqueeze(-1))
+            at += n
+        return join_row_blocks(parts)
 
     # -- 4-bit packing --------------------------------------------------
     def pack(self, codes: Tensor) -> Tensor:
