@@ -153,7 +153,8 @@ def dcp_load_via_qstate_body(rank: int, world_size: int, path: str, fmt: str) ->
 RESHARD = [(2, 1), (2, 3), (3, 2), (1, 2)]
 
 
-@pytest.mark.parametrize("save_ws,load_ws", RESHARD, ids=[f"{a}to{b}" for a, b in RESHARD])
+@pytest.mark.parametrize("save_ws,load_ws", [pytest.param(a, b, id=f"{a}to{b}", marks=() if (a, b) == (2, 3) else
+                                                            pytest.mark.exhaustive) for a, b in RESHARD])
 def test_dcp_checkpoint_reshards_exactly(save_ws, load_ws, tmp_path):
     fmt = FORMATS[(save_ws + load_ws) % 3]
     path = os.fspath(tmp_path / "ckpt")

@@ -187,6 +187,7 @@ def view_cases(draw: Any) -> tuple[Any, ...]:
     return src, dst, tuple(shape), mesh_shape, placements, seed
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @PROPERTY
 @given(view_cases())
 def test_view_dtype_property(case: tuple[Any, ...]) -> None:
@@ -395,6 +396,7 @@ def _random_op(kind: str, low: int, high: int, seed: int, positional: bool) -> C
     return _named((plain if positional else torch_api)[kind], kind)
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @PROPERTY
 @given(random_cases())
 def test_random_ops_property(case: tuple[Any, ...]) -> None:
@@ -571,6 +573,7 @@ def fill_cases(draw: Any) -> tuple[Any, ...]:
     return dtype, shape, mesh_shape, placements, value, as_tensor, seed
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @PROPERTY
 @given(fill_cases())
 def test_fill_property(case: tuple[Any, ...]) -> None:
@@ -607,6 +610,7 @@ def copy_cases(draw: Any) -> tuple[Any, ...]:
     return self_dtype, src_dtype, shape, src_shape, mesh_shape, self_pl, src_pl, seed
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @PROPERTY
 @given(copy_cases())
 def test_copy_property(case: tuple[Any, ...]) -> None:
@@ -646,6 +650,7 @@ def additive_cases(draw: Any) -> tuple[Any, ...]:
     return op, dtype, other_dtype, shape, mesh_shape, pa, pb, seed
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @settings(PROPERTY, max_examples=640)  # ~1 in 6 in-place cases end in the loud error
 @given(additive_cases())
 def test_integer_additive_property(case: tuple[Any, ...]) -> None:
@@ -683,6 +688,7 @@ def shift_cases(draw: Any) -> tuple[Any, ...]:
     return op, dtype, shape, mesh_shape, placements, amount, seed
 
 
+@pytest.mark.exhaustive  # the opt-in rules' property sweeps
 @settings(PROPERTY, max_examples=200)
 @given(shift_cases())
 def test_shift_operators_property(case: tuple[Any, ...]) -> None:

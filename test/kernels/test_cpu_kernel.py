@@ -138,7 +138,13 @@ def _inductor(case: str):
     return _run(case, c_kernel=False)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+#: the cases the main run takes (one per format and rounding); the exhaustive run takes every case
+QUICK_CASES = ("adamw_8bit", "lion_8bit_block_100_stochastic", "sgd_4bit_nesterov", "adamw_fp8_stochastic",
+               "adamw_fp32_states")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in QUICK_CASES else pytest.mark.exhaustive)
+                                  for c in sorted(CASES)])
 def test_c_kernel_equals_inductor_kernel_bit_for_bit(case):
     _assert_same_bits(_run(case, c_kernel=True), _inductor(case))
 
@@ -212,6 +218,7 @@ _NON_FINITE = [("8bit", "nearest"), ("8bit", "stochastic"), ("4bit", "stochastic
                ("fp8", "nearest")]
 
 
+@pytest.mark.exhaustive  # every build variant
 @pytest.mark.parametrize("fmt, rounding", _NON_FINITE)
 @pytest.mark.parametrize("without", [None, "-mno-avx512f", "-mno-avx2"])
 def test_non_finite_gradients_match_the_inductor_kernel(fmt, rounding, without, built_with):
@@ -263,6 +270,7 @@ def test_fp8_blocks_with_subnormal_scales_saturate_as_torch_converts():
 _WITHOUT_CASES = ["adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8", "adam_amsgrad_bf16_states_bf16"]
 
 
+@pytest.mark.exhaustive  # every build variant
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
 @pytest.mark.parametrize("case", _WITHOUT_CASES)
 @pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])
@@ -373,6 +381,7 @@ _SIMDE_CASES = ([(case, False) for case in sorted(CASES) if CASES[case][2][0][0]
                 + [(case, True) for case in ("adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8")])
 
 
+@pytest.mark.exhaustive  # every build variant
 @pytest.mark.parametrize("case, extreme", _SIMDE_CASES)
 def test_avx512_paths_built_with_simde_give_the_inductor_kernels_bits(case, extreme, built_with):
     # the AVX-512 VBMI paths (encode8_64 and decode8's in-register lookups, map4_code16, fp8_code16), which only
@@ -390,6 +399,7 @@ def test_avx512_paths_built_with_simde_give_the_inductor_kernels_bits(case, extr
 _MARCH = {"avx512_vbmi": "-march=icelake-server", "avx2": "-march=haswell", "portable": "-march=x86-64"}
 
 
+@pytest.mark.exhaustive  # every build variant
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
 @pytest.mark.parametrize("isa", list(_MARCH))
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "bf16"])
@@ -412,6 +422,7 @@ def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.exhaustive  # every build variant
 def test_one_build_per_spec_not_per_shape(tmp_path):
     # in a fresh interpreter whose kernels build into an empty cache: one library per case, whatever the shapes
     # and scalars (adamw_8bit_beta1_low is adamw_8bit's spec)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import hashlib, json, os, sys, torch
@@ -93,6 +95,7 @@ def _run(tmp: str, cache_dir: str, formats: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.exhaustive  # two cold compiles in fresh interpreters
 def test_two_runs_in_one_cache_dir_agree(tmp_path):
     cache = str(tmp_path / "inductor")
     first = _run(str(tmp_path), cache, "8bit,fp32")

@@ -286,6 +286,7 @@ _BATCH_CASES = {
 }
 
 
+@pytest.mark.exhaustive  # an inductor compile per case
 @pytest.mark.parametrize("case", list(_BATCH_CASES))
 def test_inductor_calls_in_batches_give_the_full_paths_results(case, monkeypatch, reused):
     # small parameters' prepared inductor calls of one spec run as one kernel call over concatenated

@@ -193,6 +193,7 @@ def test_compiled_4bit_stochastic_matches_eager():
                 assert (q_e.codes == q_c.codes).float().mean() > 0.999
 
 
+@pytest.mark.exhaustive  # compiles a graph per kernel spec
 def test_one_graph_per_kernel_kind_not_per_shape():
     torch._dynamo.reset()
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]

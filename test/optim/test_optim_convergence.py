@@ -100,6 +100,7 @@ def _late_loss(make_opt, seed: int, steps: int = 300) -> float:
     return _final_loss(make_opt, hidden=(256, 128), batch=64, steps=steps, seed=seed)
 
 
+@pytest.mark.exhaustive  # long training runs
 @pytest.mark.parametrize("seed", [0, 2])
 def test_adamw_4bit_late_in_training(seed):
     # measured: +7.8% / +11.8% (seeds 0 / 2) with the second moment on linspace(0, 1, 16), +1.3% / -3.8% with
@@ -131,6 +132,7 @@ def _split_batch_difference(make_opt, seed: int, hidden: tuple, steps: int = 10)
     return float((out[0] - out[1]).abs().max())
 
 
+@pytest.mark.exhaustive  # long training runs
 @pytest.mark.parametrize("cls,kw", [(AdamW, dict(lr=1e-3)), (Lion, dict(lr=3e-4, weight_decay=0.1))])
 def test_4bit_stochastic_rounding_does_not_amplify_float_order_noise(cls, kw):
     # the target: summed over six runs (two MLPs, three seeds), the default (stochastic) first moment

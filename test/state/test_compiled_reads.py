@@ -234,6 +234,7 @@ def test_compiled_reads_equal_eager(fmt, signed):
     _check_reads(_state(fmt, signed, shape, dtype, seed=1), READS)
 
 
+@pytest.mark.exhaustive  # a compile per op and state kind
 @pytest.mark.parametrize("fmt,signed", FORMAT_KINDS)
 def test_compiled_writes_equal_eager(fmt, signed):
     # in-place math on a state reads it and encodes the result into its layout
@@ -261,6 +262,7 @@ def test_compiled_writes_equal_eager(fmt, signed):
             _assert_same(c.codes, e.codes, f"codes after {op} of {e!r}")
 
 
+@pytest.mark.exhaustive  # a compile per op and state kind
 def test_every_read_of_every_state_compiled_equals_eager_exhaustive():
     # every format x signedness x shape x dtype x read (about 60 compiles: for the exhaustive run)
     for seed, ((fmt, signed), shape, dtype) in enumerate(itertools.product(FORMAT_KINDS, SHAPES, DTYPES)):
