@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import re
 
+import torch
+
+import qstate
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -20,8 +24,14 @@ def test_readme_python_blocks_run(capsys):
     namespace: dict = {"__name__": "__readme__"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"README.md python block {i}", "exec"), namespace)
-    opt = namespace["opt"]
-    assert opt.state_dict()["state"], "the quick start's optimizer has no state after its steps"
+    opt, ref = namespace["opt"], namespace["ref"]
+    # the converted torch AdamW states: 8-bit where the policy quantizes, equal to torch's within the format
+    weight = namespace["model"][0].weight
+    exp_avg = opt.state[weight]["exp_avg"]
+    assert isinstance(exp_avg, qstate.QuantizedState) and exp_avg.format == "8bit"
+    torch.testing.assert_close(exp_avg.dequantize(), ref.state[weight]["exp_avg"], atol=0.01 * float(
+        ref.state[weight]["exp_avg"].abs().max()), rtol=0)
+    assert int(opt.state[weight]["step"]) == 1
 
 
 def test_readme_commands_are_the_ci_commands():
