@@ -103,6 +103,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .._api import zeros_like as q_zeros_like
 from .._dtensor import is_dtensor, local_of, state_kind
@@ -182,8 +183,11 @@ def _private_seed() -> int:
     """A seed for ``seed=None``, drawn from a private generator seeded with ``torch.initial_seed()`` (what
     ``torch.manual_seed`` set, read without a draw): never a draw from torch's global generators, which
     the caller's own random numbers (dropout, data order) come from. Ranks and reruns that seed torch
-    alike draw alike, with no collective."""
-    return int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(torch.initial_seed())).item())
+    alike draw alike, with no collective. Host data: read from the default CPU generator itself and
+    drawn outside any mode (under LocalTensorMode ``torch.initial_seed()`` is a per-rank SymInt)."""
+    with _disable_current_modes():
+        generator = torch.Generator().manual_seed(torch.default_generator.initial_seed())
+        return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
 class _Keep:
