@@ -280,6 +280,19 @@ def test_builds_without_vector_paths_give_the_same_bits(case, without, built_wit
     _assert_same_bits(built_with(without)[("_run", case, True)], _run(case, c_kernel=True))
 
 
+#: the cases run at extreme magnitudes by the builds without vector paths: stochastic fp8 has its own encode on
+#: each path (fp8_sr_code16, fp8_sr_code8, the scalar stochastic_code), and only blocks of subnormal to large
+#: scales reach the spec's edges (values one float from an entry, quotients that underflow)
+_WITHOUT_EXTREME_CASES = ["adamw_fp8_stochastic"]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
+@pytest.mark.parametrize("case", _WITHOUT_EXTREME_CASES)
+@pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])
+def test_builds_without_vector_paths_give_the_inductor_kernels_bits_at_extreme_magnitudes(case, without, built_with):
+    _assert_same_bits(built_with(without)[("_run", case, True, 3, True)], _run(case, c_kernel=False, extreme=True))
+
+
 #: a fresh interpreter's run of this module's functions: argv: the folders to import from, the calls (a
 #: file of ``(function name, *arguments)`` tuples), the file for their results
 _IN_FRESH_INTERPRETER = """
@@ -318,6 +331,7 @@ def _build_calls(build: str) -> list[tuple]:
     if build == "simde":
         return [("_run", case, True, 3, extreme) for case, extreme in _SIMDE_CASES]
     return ([("_run", case, True) for case in _WITHOUT_CASES]
+            + [("_run", case, True, 3, True) for case in _WITHOUT_EXTREME_CASES]
             + [("_non_finite_run", fmt, rounding, True, steps) for fmt, rounding in _NON_FINITE for steps in (1, 2)])
 
 
@@ -378,7 +392,8 @@ def _vector_flags(lanes: int) -> tuple[str, ...]:
 
 #: the cases of the SIMDe build: (case, extreme magnitudes)
 _SIMDE_CASES = ([(case, False) for case in sorted(CASES) if CASES[case][2][0][0] not in PLAIN]
-                + [(case, True) for case in ("adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8")])
+                + [(case, True) for case in ("adamw_8bit", "adam_4bit_amsgrad_bf16", "adamw_fp8",
+                                             "adamw_fp8_stochastic")])
 
 
 @pytest.mark.exhaustive  # every build variant
@@ -667,6 +682,100 @@ def test_fp8_scalar_encode_equals_torchs_conversion(tmp_path):
         out = torch.empty(y.shape, dtype=torch.uint8)
         fn(ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.numel()), ctypes.c_int(signed), ctypes.c_void_p(out.data_ptr()))
         assert torch.equal(out, fp8.code_of(y, signed, None))
+
+
+_FP8_SR_CHECK = r"""
+#include "kernel.c"
+/* An unsigned fp8 state's stochastic codes of the n values y[] (n a multiple of 16; values 16 b .. 16 b + 15 at the
+ * flat indices base[b] .. base[b] + 15, whose draws under key they take) by the ``lanes``-wide encode (0: the
+ * scalar ENCODE's steps, fp8_code then stochastic_code on qmap, the 127 non-negative codes' values; 16:
+ * fp8_sr_code16, AVX-512 VBMI; 8: fp8_sr_code8, AVX2); -1 if this build lacks it */
+int64_t fp8_sr_codes(const float *y, int64_t n, const uint64_t *base, uint64_t key, int lanes, const float *qmap,
+                     uint8_t *out) {
+    for (int64_t k = 0; k < n; k += 16) {
+        const uint64_t b = base[k / 16];
+        if (lanes == 0) {
+            for (int64_t j = k; j < k + 16; j++) {
+                out[j] = fp8_code(y[j], 0);
+                if (y[j] > 0.0f) {
+                    const int32_t c = stochastic_code(y[j], out[j], qmap, FP8_NON_NEGATIVE_CODES,
+                                                      position_hash64(key, b + (uint64_t)(j - k)));
+                    out[j] = (uint8_t)(c > 1 ? c : 1);
+                }
+            }
+        } else if (lanes == 16) {
+#if HAVE_VBMI
+            _mm_storeu_si128((__m128i *)(out + k), fp8_sr_code16(_mm512_loadu_ps(y + k), key, b));
+#else
+            return -1;
+#endif
+        } else {
+#if HAVE_AVX2
+            for (int h = 0; h < 16; h += 8)
+                store_codes8(fp8_sr_code8(_mm256_loadu_ps(y + k + h), key, b + (uint64_t)h), out + k + h);
+#else
+            return -1;
+#endif
+        }
+    }
+    return 0;
+}
+"""
+
+
+def _lowbias32_inverse(x: int) -> int:
+    """The 32-bit word whose lowbias32 is ``x`` (each step undone in reverse order)."""
+    x ^= x >> 16
+    x = (x * pow(0x846CA68B, -1, 2**32)) & 0xFFFFFFFF
+    x ^= (x >> 15) ^ (x >> 30)
+    x = (x * pow(0x7FEB352D, -1, 2**32)) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("lanes", [0, 16, 8], ids=["scalar", "16", "8"])
+def test_fp8_stochastic_encodes_follow_the_rounding_spec(tmp_path, lanes):
+    # every encode of an unsigned fp8 state rounded stochastically (scalar, fp8_sr_code16, fp8_sr_code8) against
+    # qstate.formats' fp8 code_of with the same draws, on the spec's edges: every map entry and the floats one
+    # and two away from it, the smallest subnormal (a quotient that underflowed), values past 448, zeros,
+    # negatives, NaN and infinity, each at an index whose draw is the largest (2**24 - 1) and one whose draw is
+    # 0 (which round a float one below an entry down, one above up, were the rule only the draw's compare), and
+    # values over 60 binades at random indices
+    import ctypes
+
+    from qstate.formats._rounding import lowbias32_int, position_hash32
+    from qstate.formats.fp8 import NON_NEGATIVE_VALUES
+
+    if lanes and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 vector extensions")
+    p = torch.zeros(2, 256)
+    fn = _checker(tmp_path, [qstate.zeros_like(p, "fp8", signed=False, dtype=torch.float32, rounding=SR)],
+                  _FP8_SR_CHECK, "fp8_sr_codes", _vector_flags(lanes) if lanes else ())
+    entries = NON_NEGATIVE_VALUES
+    up, down = torch.nextafter(entries, torch.tensor(1e3)), torch.nextafter(entries, torch.tensor(-1.0))
+    edges = torch.cat([entries, up, down, torch.nextafter(up, torch.tensor(1e3)),
+                       torch.nextafter(down, torch.tensor(-1.0)),
+                       torch.tensor([2.0**-149, 2 * 2.0**-149, 2.0**-10, 448.5, 500.0, 1e4, float("inf"),
+                                     float("nan"), -0.0, -(2.0**-149), -1.0, -500.0])])
+    key = 0x123456789ABCDEF0
+    # the index n < 2**32 with position_hash32(key, n) == h: lowbias32(n ^ k_lo ^ lowbias32(k_hi)) == h
+    inner = int(lowbias32_int(torch.tensor([key >> 32]))[0])
+    hashes = [0xFFFFFFFF - m % 256 for m in range(len(edges))] + [m % 256 for m in range(len(edges))]
+    bases = [_lowbias32_inverse(h) ^ (key & 0xFFFFFFFF) ^ inner for h in hashes]
+    gen = torch.Generator().manual_seed(0)
+    blocks = 2 * len(edges) + 500
+    y = torch.rand(blocks, 16, generator=gen) * 2.0 ** torch.randint(-40, 20, (blocks, 16), generator=gen).float()
+    y[: 2 * len(edges), 0] = edges.repeat(2)  # lane 0 of a block: the draw chosen above
+    bases += torch.randint(0, 2**40, (500,), generator=gen).tolist()
+    base = torch.tensor(bases, dtype=torch.int64)
+    index = (base[:, None] + torch.arange(16)).flatten()
+    out = torch.empty(y.numel(), dtype=torch.uint8)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    if fn(y.data_ptr(), y.numel(), base.data_ptr(), key, lanes, entries.data_ptr(), out.data_ptr()) == -1:
+        pytest.skip(f"this machine's build has no {_VECTOR_ISA[lanes]} path")
+    draws = position_hash32(key, index)
+    assert torch.equal(draws[0 : 32 * len(edges) : 16] >> 8, torch.tensor([2**24 - 1, 0]).repeat_interleave(len(edges)))
+    assert torch.equal(out, qstate.formats.get_format("fp8").code_of(y.flatten(), False, None, SR, draws))
 
 
 _FP8_DECODE_CHECK = r"""

@@ -711,8 +711,9 @@ static inline __m128i fp8_sr_code16(__m512 y, uint64_t key, uint64_t base) {
     c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
     const __m512 lo = fp8_non_negative_value16(c), hi = fp8_non_negative_value16(_mm512_add_epi32(c, one));
     const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GE_OQ) |
-                         (_mm512_cmp_ps_mask(y, lo, _CMP_GT_OQ) &
+    const __m512i r = float_rank_512(y), r_lo = float_rank_512(lo), r_hi = float_rank_512(hi);
+    const __mmask16 up = _mm512_cmpge_epi32_mask(r, _mm512_sub_epi32(r_hi, one)) |
+                         (_mm512_cmpgt_epi32_mask(r, _mm512_add_epi32(r_lo, one)) &
                           _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
                                              _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)), _CMP_LT_OQ));
     c = _mm512_max_epi32(_mm512_mask_add_epi32(c, up, c, one), one);
@@ -823,9 +824,10 @@ static inline __m256i fp8_sr_code8(__m256 y, uint64_t key, uint64_t base) {
     c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
     const __m256 lo = fp8_non_negative_value8(c), hi = fp8_non_negative_value8(_mm256_add_epi32(c, one));
     const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i r = float_rank_256(y), r_lo = float_rank_256(lo), r_hi = float_rank_256(hi);
     const __m256 up = _mm256_or_ps(
-        _mm256_cmp_ps(y, hi, _CMP_GE_OQ),
-        _mm256_and_ps(_mm256_cmp_ps(y, lo, _CMP_GT_OQ),
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_sub_epi32(r_hi, _mm256_set1_epi32(2)))),
+        _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_add_epi32(r_lo, one))),
                       _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
                                     _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
     c = _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), one);
@@ -1009,7 +1011,7 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define FP8_SR_LOOP16(i, x, bn, div, out, j0, n0)                                         \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
         _mm_storeu_si128((__m128i *)((out) + (j0)),                                       \
-                         fp8_sr_code16(_mm512_div_ps(_mm512_loadu_ps((x) + (j0)), vdiv_), skey##i, \
+                         fp8_sr_code16(nonzero_quotient_512(_mm512_loadu_ps((x) + (j0)), vdiv_), skey##i, \
                                        (n0) + (uint64_t)(j0)));
 #define FP8_LOOP16(i, x, bn, div, out, j0, bounded)                                       \
     for (const __m512 vdiv_ = _mm512_set1_ps(div); (j0) + 16 <= (bn); (j0) += 16)          \
