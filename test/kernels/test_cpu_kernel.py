@@ -286,6 +286,7 @@ def test_builds_without_vector_paths_give_the_same_bits(case, without, built_wit
 _WITHOUT_EXTREME_CASES = ["adamw_fp8_stochastic"]
 
 
+@pytest.mark.exhaustive  # every build variant
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector extensions")
 @pytest.mark.parametrize("case", _WITHOUT_EXTREME_CASES)
 @pytest.mark.parametrize("without", ["-mno-avx512f", "-mno-avx2"])
