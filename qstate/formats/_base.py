@@ -83,9 +83,12 @@ def block_absmax(magnitudes: Tensor, amax: Optional[Tensor] = None) -> Tensor:
 
 def nonzero_quotient(x: Tensor, divisor: Tensor) -> Tensor:
     """``x / divisor`` (float32), with ``+-2**-149`` (the sign of the quotient, which is ``x``'s for a
-    positive divisor) where the quotient underflows to 0 but ``x`` is not 0: its bits or 1."""
+    positive divisor) where the quotient underflows to 0 but ``x`` is not 0 and ``divisor`` is finite:
+    its bits or 1. A finite ``x`` over an infinite divisor (a block holding an infinity) stays 0, so it
+    takes the zero code and decodes as NaN (the module docstring's rule for values that lost their
+    scale), never as the infinity a positive code would give."""
     y = x / divisor
-    underflow = (y == 0) & (x != 0)
+    underflow = (y == 0) & (x != 0) & (divisor != math.inf)
     return (y.view(torch.int32) | underflow.to(torch.int32)).view(torch.float32)
 
 

@@ -339,11 +339,12 @@ static inline uint8_t fp8_code(float y, int is_signed) {
 #define FP8_NON_NEGATIVE_CODES 127
 static inline int fp8_bounded(float div) { return div >= 0x1p-126f && div < INFINITY; }
 
-/* x / div, or the smallest subnormal of its sign where that underflows to 0 for x != 0: the quotient's bits or 1
- * (qstate/formats/_base.py nonzero_quotient) */
+/* x / div, or the smallest subnormal of its sign where that underflows to 0 for x != 0 and a finite div: the
+ * quotient's bits or 1 (qstate/formats/_base.py nonzero_quotient; over an infinite div a finite x stays 0, the
+ * zero code, which decodes as NaN) */
 static inline float nonzero_quotient(float x, float div) {
     const float y = x / div;
-    return u2f(f2u(y) | (uint32_t)(y == 0.0f && x != 0.0f));
+    return u2f(f2u(y) | (uint32_t)(y == 0.0f && x != 0.0f && div != INFINITY));
 }
 
 /* The normalized value of x in a block of divisor div (BlockFormat.normalize): nonzero_quotient(x, div), except
@@ -358,7 +359,8 @@ static inline float normalized(float x, float div, float max_code) {
 }
 
 #if HAVE_VBMI
-/* nonzero_quotient and float_rank of 16 values */
+/* nonzero_quotient (of a finite divisor: the vector encodes never see non-finite blocks) and float_rank of 16
+ * values */
 static inline __m512 nonzero_quotient_512(__m512 x, __m512 div) {
     const __m512 y = _mm512_div_ps(x, div), zero = _mm512_setzero_ps();
     const __mmask16 under = _mm512_cmp_ps_mask(y, zero, _CMP_EQ_OQ) & _mm512_cmp_ps_mask(x, zero, _CMP_NEQ_UQ);
@@ -372,7 +374,7 @@ static inline __m512i float_rank_512(__m512 x) {
 }
 #endif
 #if HAVE_AVX2
-/* nonzero_quotient and float_rank of 8 values */
+/* nonzero_quotient (of a finite divisor, as above) and float_rank of 8 values */
 static inline __m256 nonzero_quotient_256(__m256 x, __m256 div) {
     const __m256 y = _mm256_div_ps(x, div), zero = _mm256_setzero_ps();
     const __m256 under = _mm256_and_ps(_mm256_cmp_ps(y, zero, _CMP_EQ_OQ), _mm256_cmp_ps(x, zero, _CMP_NEQ_UQ));
