@@ -1025,6 +1025,7 @@ def test_8bit_vector_encode_equals_the_scalar_encode(tmp_path):
     assert results == [0, 0]
 
 
+@pytest.mark.exhaustive  # builds and times two kernels
 def test_the_kernel_ab_benchmark_still_runs(tmp_path):
     # benchmarks/bench_kernel_ab.py reaches into this module (it wraps _cpu_kernel.run, builds the kernel's
     # slots and calls the C entry point itself): an internal change must not break it silently

@@ -240,6 +240,7 @@ def test_a_grouped_call_bumps_every_parameters_version(kernel):
     assert [p._version for p in ps] == [v + 1 for v in before]
 
 
+@pytest.mark.exhaustive  # an inductor compile per case
 @pytest.mark.parametrize("fmt, dtype", [("8bit", torch.bfloat16), ("4bit", torch.float32)])
 def test_inductor_calls_over_padded_and_odd_rows_give_the_full_paths_results(fmt, dtype, reused):
     # the inductor kernel's prepared calls keep padded block-space copies (rows not a whole number of
