@@ -175,6 +175,7 @@ def held_out_tasks() -> list[Task]:
     """Digits MLPs of widths the suite does not have, run only when named in ``--tasks`` (``held-out``: all of
     them): a check that a change tuned on the suite did not fit it."""
     return [Task("digits-192", "digits", lambda: mlp((192,)), 300, 64, "MLP 64-192-10, batch 64"),
+            Task("digits-384-192", "digits", lambda: mlp((384, 192)), 300, 64, "MLP 64-384-192-10, batch 64"),
             Task("digits-512-256", "digits", lambda: mlp((512, 256)), 300, 64, "MLP 64-512-256-10, batch 64")]
 
 
