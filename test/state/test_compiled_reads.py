@@ -262,14 +262,6 @@ def test_compiled_writes_equal_eager(fmt, signed):
             _assert_same(c.codes, e.codes, f"codes after {op} of {e!r}")
 
 
-@pytest.mark.exhaustive  # a compile per op and state kind
-def test_every_read_of_every_state_compiled_equals_eager_exhaustive():
-    # every format x signedness x shape x dtype x read (about 60 compiles: for the exhaustive run)
-    for seed, ((fmt, signed), shape, dtype) in enumerate(itertools.product(FORMAT_KINDS, SHAPES, DTYPES)):
-        torch._dynamo.reset()
-        _check_reads(_state(fmt, signed, shape, dtype, seed), READS, seed)
-
-
 def _pad_view_scale_slice(codes_values, scale):
     """The pattern qstate's decode used: pad rows to whole blocks, scale them, slice the padding off."""
     rows, row_len = codes_values.shape
