@@ -12,7 +12,7 @@ from .._api import encode_like, row_layout, zero_parts
 from .._state import QuantizedState
 from ..formats.map_formats import legacy_map_name
 from .._op_table import register
-from ._util import aten, check_same_kind
+from ._util import aten
 
 
 def _map_parts(q: QuantizedState, fn) -> QuantizedState:
@@ -24,6 +24,11 @@ def _parts(q: QuantizedState) -> list[torch.Tensor]:
     return [q.codes, q.scale] + ([] if q.qmap is None else [q.qmap])
 
 
+#: what a copy between two states of different kinds or maps says instead
+_CONVERT_HINT = ("copy its values (dst.copy_(src.dequantize())) or convert a state dict with "
+                 "qstate.optim.convert_state_dict(state_dict, optimizer)")
+
+
 def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torch.Tensor] = None) -> QuantizedState:
     """Write ``src`` into ``dst`` in place; on any mismatch raise and leave ``dst`` unchanged (a source
     state is checked whole, :meth:`QuantizedState.check`, and parts never broadcast). ``draws``:
@@ -32,7 +37,9 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
         # a state from elsewhere (a checkpoint, a load): whole and valid, never broadcast
         dst.check(values=False)
         src.check(src.state_name or (f"source of {dst.state_name}" if dst.state_name else None))
-        check_same_kind("copy_", dst, src)
+        if (src.kind(), src.dtype) != (dst.kind(), dst.dtype):  # a checkpoint of another policy, too
+            raise ValueError(f"copy_: expected a state of kind [{dst.describe()}], got [{src.describe()}]; "
+                             f"copy_ never converts a state: {_CONVERT_HINT}")
         if tuple(src.shape) != tuple(dst.shape) or (src.rows, src.row_len) != (dst.rows, dst.row_len):
             raise ValueError(
                 f"copy_: expected a state of shape {tuple(dst.shape)} stored as {dst.rows} rows of "
@@ -41,8 +48,7 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
         legacy = legacy_map_name(src.qmap)
         if legacy != legacy_map_name(dst.qmap):  # codes copied as they are must index the same map
             raise ValueError(f"copy_: the source state is stored with {legacy or 'its format map'}, the destination "
-                             f"[{dst.describe()}] with {legacy_map_name(dst.qmap) or 'its format map'}; copy its values "
-                             f"(dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict")
+                             f"[{dst.describe()}] with {legacy_map_name(dst.qmap) or 'its format map'}; {_CONVERT_HINT}")
         codes, scale = src.codes, src.scale
     else:
         if not src.is_floating_point():

@@ -245,6 +245,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self.register_load_state_dict_pre_hook(type(self)._check_loaded_steps)  # after _load_pre's checks
         self.register_load_state_dict_post_hook(type(self)._load_post)
         self.register_load_state_dict_post_hook(type(self)._steps_on_host)
+        self.register_state_dict_post_hook(type(self)._states_as_copies)
 
     # ------------------------------------------------------------------ what the states hold
     def state_nbytes(self) -> StateNbytes:
@@ -298,6 +299,38 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         if message is not None and not self._warned_weak:
             self._warned_weak = True
             warn_at_caller(message)
+
+    def _states_as_copies(self, state_dict: dict) -> dict:
+        """Give ``state_dict()`` a copy of every state tensor, named after its key, so that a load
+        never writes the live states before :meth:`load_state_dict` has checked the whole state dict.
+
+        ``torch.distributed.checkpoint.load`` (whoever calls it: torchtitan's ``CheckpointManager``,
+        ``set_optimizer_state_dict`` flows, a ``Stateful``) reads a checkpoint into the tensors of
+        ``state_dict()`` and only then calls ``load_state_dict``. Into the live states (as
+        ``torch.optim`` gives them), a checkpoint of another state kind would be written up to the
+        first mismatch. Into copies, a mismatch raises while reading (a quantized state's ``copy_``
+        refuses another kind, naming the state ``state.<param name or index>.<state>``) or in
+        ``load_state_dict``'s checks (policy options, plain where quantized is expected), and the
+        optimizer keeps every state; a load that passes installs the copies (no further copy).
+        Costs one copy of the states while the state dict lives (quantized states at their storage
+        size)."""
+        names: dict[Any, str] = {}
+        for group in state_dict["param_groups"]:
+            param_names = group.get("param_names") or []
+            for i, pid in enumerate(group["params"]):
+                names[pid] = str(param_names[i]) if i < len(param_names) else str(pid)
+        copies = {}
+        for pid, entry in state_dict["state"].items():
+            copies[pid] = {}
+            for key, value in entry.items():
+                if isinstance(value, Tensor):
+                    value = value.detach().clone()
+                    local = local_of(value)
+                    if isinstance(local, QuantizedState):
+                        local.state_name = f"state.{names.get(pid, pid)}.{key}"
+                copies[pid][key] = value
+        state_dict["state"] = copies
+        return state_dict
 
     def _steps_on_host(self) -> None:
         """Keep every step count a CPU tensor after loading, as the step reads it on the host
@@ -721,6 +754,9 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for n, v in list(state.items()):
                 if isinstance(v, _Keep):
                     state[n] = v.value.to(p.device)
+                    local = local_of(state[n])
+                    if isinstance(local, QuantizedState):
+                        local.state_name = None  # a state dict's label (_states_as_copies), not a live state's
 
 
 def _collective_device() -> torch.device:

@@ -169,12 +169,12 @@ def test_dcp_load_rejects_another_format(tmp_path):
     run_distributed(dcp_load_via_qstate_body, 3, path, "8bit")
 
 
-def _trained(fmt: str, min_quantize_numel: int = 100):
+def _trained(fmt: str, min_quantize_numel: int = 100, **options):
     import qstate.optim
 
     model = _shard(_model())
     opt = qstate.optim.AdamW(model.parameters(), lr=1e-2, state_format=fmt, min_quantize_numel=min_quantize_numel,
-                             compile=False)
+                             compile=False, **options)
     torch.manual_seed(1)
     for _ in range(2):
         model(torch.randn(4, 129)).square().mean().backward()
@@ -313,3 +313,62 @@ def test_dcp_checkpoint_of_another_policy_raises_with_live_states_unchanged(tmp_
     path = os.fspath(tmp_path / "ckpt")
     run_distributed(dcp_save_optimizer_body, 2, path)
     run_distributed(dcp_load_optimizer_body, 3, path)
+    run_distributed(plain_dcp_load_optimizer_body, 3, path)
+
+
+class _OptimizerState:
+    """The ``Stateful`` of DCP's tutorial (and of trainers such as torchtitan): ``dcp.load`` reads into
+    its ``state_dict()`` and then calls its ``load_state_dict``."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.opt)
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.opt, state_dict)
+
+
+def plain_dcp_load_optimizer_body(rank: int, world_size: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # plain dcp.load, no qstate loader: an 8bit checkpoint (block size 256, round to nearest) read into
+    # states of another kind raises while DCP reads it (a quantized destination), or in load_state_dict's
+    # checks (a plain one, or another policy option), with every live state, step and option unchanged
+    kind = r"8bit signed block_size=256 dtype=torch.float32 shape=\(\d+, \d+\) device=cpu"
+    for fmt, numel, options, match in [
+            ("4bit", 100, {}, r"copy_: expected a state of kind \['state\.\d+\.exp_avg': 4bit signed block_size=128 "
+                              rf"rounding=stochastic dtype=torch.float32 shape=\(\d+, \d+\) device=cpu\], got \[{kind}\]; copy_ never "
+                              r"converts a state: .* qstate\.optim\.convert_state_dict\(state_dict, optimizer\)"),
+            ("8bit", 100, {"block_size": 64}, r"expected a state of kind \['state\.\d+\.exp_avg': 8bit signed "
+                                              r"block_size=64 .*got \[8bit signed block_size=256 "),
+            ("8bit", 100, {"state_rounding": "stochastic"}, r"expected a state of kind \['state\.\d+\.exp_avg': "
+                                                            r"8bit signed block_size=256 rounding=stochastic "),
+            ("fp32", 100, {}, r"param group 0, option 'state_format': expected 'fp32' \(the optimizer's\), the "
+                              r"state dict has '8bit'; .*qstate\.optim\.convert_state_dict"),
+            ("8bit", 50, {}, r"param group 0, option 'min_quantize_numel': expected 50 \(the optimizer's\), the "
+                             r"state dict has 100")]:
+        model, opt = _trained(fmt, numel, **options)
+        before = _snapshot(opt)
+        with pytest.raises((CheckpointException, ValueError)) as info:
+            dcp.load({"optim": _OptimizerState(model, opt)}, checkpoint_id=path)
+        assert re.search(match, str(info.value)), str(info.value)
+        assert _unchanged(opt, before), (fmt, numel, options)
+        # the state dict's own flow: dcp.load into it, then load_state_dict
+        sd = get_optimizer_state_dict(model, opt)
+        with pytest.raises((CheckpointException, ValueError)) as info:
+            dcp.load({"optim": sd}, checkpoint_id=path)
+            set_optimizer_state_dict(model, opt, sd)
+        assert re.search(match, str(info.value)), str(info.value)
+        assert _unchanged(opt, before), (fmt, numel, options)
+    model, opt = _trained("8bit")
+    dcp.load({"optim": _OptimizerState(model, opt)}, checkpoint_id=path)
+    got, want = _full_states(opt), torch.load(path + ".states")
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -51,19 +51,19 @@ QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', sha
         q = qstate.quantize(torch.randn(4, 300), "8bit")
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "4bit"))),
-            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [4bit signed block_size=128 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [4bit signed block_size=128 dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", block_size=64))),
-            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=64 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=64 dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", signed=False))),
-            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit unsigned block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]""",
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit unsigned block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", rounding="stochastic"))),
-            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=256 rounding=stochastic dtype=torch.float32 shape=(4, 300) device=cpu]""",
+            """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=256 rounding=stochastic dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
             self._unchanged_after(q, lambda: q.copy_(torch.randn(3, 300))),
