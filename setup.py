@@ -20,5 +20,14 @@ setup(
         # collectives, which torch.distributed.checkpoint's save uses) need numpy, which torch's
         # wheel does not install
         "demo": ["numpy"],
+        # the trainers test/integrations/ runs qstate's optimizers in (torchtitan needs Python 3.11 and
+        # imports triton, which torch's CPU wheels do not install)
+        "integrations": [
+            "transformers",
+            "accelerate",
+            "lightning",
+            "torchtitan; python_version >= '3.11'",
+            "triton; python_version >= '3.11' and platform_system == 'Linux'",
+        ],
     },
 )
