@@ -122,3 +122,88 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, how, state_format):
     expected = losses_after(uninterrupted, CHECKPOINT_STEP)
     assert sorted(expected) == list(range(CHECKPOINT_STEP + 1, TOTAL_STEPS + 1))
     assert losses_after(resumed, CHECKPOINT_STEP) == expected
+
+
+def scale_per_element(state: qstate.QuantizedState) -> torch.Tensor:
+    """Each element's block scale, in the state's shape (a matrix: one row per ``shape[0]``, no padding)."""
+    per_row = state.scale.repeat_interleave(state.block_size, dim=1)[:, :state.row_len]
+    return per_row.reshape(state.shape)
+
+
+def assert_converted(converted: torch.Tensor, torch_state: torch.Tensor, name: str) -> None:
+    """``converted`` holds ``torch_state``: exactly for a float32 state; for a quantized one, the codes and
+    scales ``qstate.quantize`` gives ``torch_state`` in the state's own kind, within the format's bound."""
+    if not isinstance(converted, qstate.QuantizedState):
+        assert converted.dtype == torch.float32 and torch.equal(converted, torch_state), name
+        return
+    reference = qstate.quantize(torch_state, converted.format, signed=converted.signed,
+                                block_size=converted.block_size, rounding=converted.rounding)
+    assert torch.equal(converted.codes, reference.codes), name
+    assert torch.equal(converted.scale, reference.scale), name
+    fmt = qstate.formats.get_format(converted.format)
+    bound = fmt.max_abs_error(torch_state, scale_per_element(converted), converted.signed)
+    if converted.rounding == "stochastic":  # the other neighbouring code: up to a whole step
+        bound = 2 * bound
+    error = (converted.dequantize() - torch_state).abs()
+    assert bool((error <= bound).all()), f"{name}: error {float((error - bound).max())} over the bound"
+
+
+@pytest.fixture(scope="module")
+def torch_adamw_checkpoint(tmp_path_factory):
+    """A checkpoint of Trainer's own optimizer: ``torch.optim.AdamW`` in its decay and no-decay groups."""
+    output_dir = tmp_path_factory.mktemp("torch_adamw")
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=training_arguments(output_dir, max_steps=CHECKPOINT_STEP),
+                                   train_dataset=TokenDataset(128))
+    trainer.train()
+    assert type(trainer.optimizer.optimizer) is torch.optim.AdamW
+    return output_dir / f"checkpoint-{CHECKPOINT_STEP}"
+
+
+@pytest.mark.parametrize("state_format", ["8bit", "4bit", "fp8"])
+def test_torch_adamw_checkpoint_resumes_under_qstate_adamw(tmp_path, torch_adamw_checkpoint, state_format):
+    checkpoint = torch_adamw_checkpoint
+    torch_state_dict = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+
+    # the user's recipe: qstate's AdamW in Trainer's same groups, the optimizer.pt rewritten for it
+    trainer = make_trainer(tmp_path / "qstate", "class", state_format)
+    optimizer = trainer.create_optimizer()
+    assert [len(g["params"]) for g in optimizer.param_groups] == \
+        [len(g["params"]) for g in torch_state_dict["param_groups"]]
+    converted = qstate.optim.convert_state_dict(torch_state_dict, optimizer)
+    qstate_checkpoint = tmp_path / "converted"
+    shutil.copytree(checkpoint, qstate_checkpoint)
+    torch.save(converted, qstate_checkpoint / "optimizer.pt")
+
+    names = [n for g in optimizer.param_groups for p in g["params"]
+             for n, q in trainer.model.named_parameters() if q is p]
+    quantized = 0
+    for i, name in enumerate(names):
+        torch_states, states = torch_state_dict["state"][i], converted["state"][i]
+        assert states.keys() == torch_states.keys(), name
+        assert torch.equal(states["step"], torch_states["step"]), name
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert_converted(states[n], torch_states[n], f"{name}.{n}")
+        quantized += isinstance(states["exp_avg"], qstate.QuantizedState)
+    assert quantized == sum(p.ndim == 2 for p in trainer.model.parameters()) > 0
+
+    # load_state_dict keeps the converted states as they are
+    optimizer.load_state_dict(torch.load(qstate_checkpoint / "optimizer.pt", weights_only=True))
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for n in ("exp_avg", "exp_avg_sq"):
+            loaded, want = optimizer.state[p][n], converted["state"][i][n]
+            assert type(loaded) is type(want), names[i]
+            if isinstance(want, qstate.QuantizedState):
+                assert torch.equal(loaded.codes, want.codes) and torch.equal(loaded.scale, want.scale), names[i]
+            else:
+                assert torch.equal(loaded, want), names[i]
+
+    # Trainer resumes from the rewritten checkpoint with the qstate optimizer it was given
+    trainer.train(resume_from_checkpoint=str(qstate_checkpoint))
+    assert trainer.state.global_step == TOTAL_STEPS
+    assert trainer.optimizer.optimizer is optimizer
+    resumed_losses = losses_after(trainer, CHECKPOINT_STEP)
+    assert sorted(resumed_losses) == list(range(CHECKPOINT_STEP + 1, TOTAL_STEPS + 1))
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in resumed_losses.values())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert all(s["step"].item() == TOTAL_STEPS for s in optimizer.state.values())
