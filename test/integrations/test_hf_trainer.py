@@ -13,7 +13,6 @@ qstate's AdamW once its ``optimizer.pt`` is rewritten with
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -29,8 +28,8 @@ require("accelerate")  # Trainer's dependency
 
 #: tiny GPT-2: every matrix has at least MIN_QUANTIZE_NUMEL elements, so it gets quantized states
 MIN_QUANTIZE_NUMEL = 256
-BATCH, SEQUENCE, SAMPLES = 4, 16, 12  # 3 steps per epoch: the resumed run crosses an epoch
-TOTAL_STEPS, CHECKPOINT_STEP = 5, 2
+BATCH, SEQUENCE, SAMPLES = 4, 16, 8  # 2 steps per epoch: the resumed run (steps 4, 5) crosses an epoch
+TOTAL_STEPS, CHECKPOINT_STEP = 5, 3  # the one checkpoint: save_steps=CHECKPOINT_STEP
 OPTIMIZER_KWARGS = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.01, min_quantize_numel=MIN_QUANTIZE_NUMEL)
 
 
@@ -174,6 +173,10 @@ def test_torch_adamw_checkpoint_resumes_under_qstate_adamw(tmp_path, torch_adamw
     shutil.copytree(checkpoint, qstate_checkpoint)
     torch.save(converted, qstate_checkpoint / "optimizer.pt")
 
+    for group, torch_group in zip(converted["param_groups"], torch_state_dict["param_groups"]):
+        for option in ("lr", "initial_lr", "betas", "eps", "weight_decay"):  # the checkpoint's
+            assert group[option] == torch_group[option], option
+        assert (group["state_format"], group["min_quantize_numel"]) == (state_format, MIN_QUANTIZE_NUMEL)
     names = [n for g in optimizer.param_groups for p in g["params"]
              for n, q in trainer.model.named_parameters() if q is p]
     quantized = 0
