@@ -4,7 +4,10 @@ A ``LightningModule`` whose ``configure_optimizers`` returns qstate's AdamW trai
 ``trainer.save_checkpoint`` writes the optimizer's ``state_dict()`` (quantized states as
 :class:`qstate.QuantizedState`, which ``torch.load(weights_only=True)`` reads after
 ``import qstate``), and a fresh ``Trainer`` resumed with ``fit(..., ckpt_path=...,
-weights_only=True)`` equals the uninterrupted run bit for bit.
+weights_only=True)`` equals the uninterrupted run bit for bit. Under
+``precision="bf16-mixed"`` Lightning refuses its own gradient clipping for qstate's
+optimizers (which take ``torch.amp.GradScaler``'s scale in their step); a module clips
+in ``configure_gradient_clipping`` instead.
 """
 
 from __future__ import annotations
@@ -94,4 +97,42 @@ def test_resumed_fit_equals_the_uninterrupted_fit(tmp_path, state_format):
     for got, want in zip(resumed.losses, uninterrupted.losses[CHECKPOINT_STEP:]):
         assert torch.equal(got, want)
     for (name, got), want in zip(resumed.named_parameters(), uninterrupted.parameters()):
+        assert torch.equal(got, want), name
+
+
+class ClippedRegression(Regression):
+    """``Regression`` clipping its gradients' norm itself: Lightning's own clipping refuses optimizers that
+    unscale gradients in their step (``_step_supports_amp_scaling``, as qstate's and torch's fused ones)
+    under mixed precision, bf16 included, where no scaler scales them."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+
+
+def test_bf16_mixed_fit_clips_gradients_in_configure_gradient_clipping():
+    def trainer():
+        return lightning.Trainer(accelerator="cpu", devices=1, max_steps=4, precision="bf16-mixed",
+                                 gradient_clip_val=0.5, enable_progress_bar=False, logger=False,
+                                 enable_checkpointing=False, enable_model_summary=False)
+
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        trainer().fit(Regression("8bit"))
+    module = ClippedRegression("8bit")
+    trainer().fit(module)
+
+    # the same steps written out: bf16 autocast, the norm clipped, qstate's step
+    reference = Regression("8bit")
+    optimizer = reference.configure_optimizers()
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH, FEATURES, generator=g), torch.randn(BATCH, OUTPUTS, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(reference.net(x), y)
+        assert torch.equal(module.losses[step], loss.detach())
+        loss.backward()
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(module.losses) == 4
+    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
         assert torch.equal(got, want), name
