@@ -126,8 +126,13 @@ def _strided_grad(twin):  # same shape, not contiguous: the eager math runs inst
     return [torch.randn(640, 8).t(), g[1]]
 
 
-@pytest.mark.parametrize("change", ["grad dtype", "strided grad", "param storage", "state codes", "map version",
-                                    "loaded state"])
+CHANGES = ["grad dtype", "strided grad", "param storage", "state codes", "map version", "loaded state"]
+
+
+# the inductor kernel for bfloat16 gradients is a compile of its own: the exhaustive run's
+@pytest.mark.parametrize("kernel, change", [
+    pytest.param(k, c, marks=pytest.mark.exhaustive if (k, c) == ("inductor", "grad dtype") else ())
+    for k in ("c", "inductor") for c in CHANGES], indirect=["kernel"])
 def test_a_change_takes_the_full_path(change, kernel, reused):
     twin = _Twin()
     twin.step(0)

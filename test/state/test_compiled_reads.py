@@ -13,8 +13,9 @@ for code, except ``APPROXIMATE_WRITES`` (see there). Each compiled call runs bef
 reference, so that an output element the
 compiled code leaves unwritten cannot hold the reference's value by chance.
 
-The fast tests cover each format and signedness once per kind of read; the sweep over every case and
-every read is ``test_every_read_of_every_state_compiled_equals_eager_exhaustive``.
+The main run compiles two cases (a compile per format and signedness costs tens of seconds on a
+cold cache): every read of a signed 8bit state, and the dequantize of signed 4bit states (packed
+half bytes); the exhaustive run (``-m exhaustive``) takes every format and signedness, and writes.
 """
 
 from __future__ import annotations
@@ -200,7 +201,12 @@ def test_the_cases_cover_every_math_op_of_the_op_table():
     assert {str(op) for op in [*READS, *WRITES]} <= set(qstate.ops.registered_ops())
 
 
-@pytest.mark.parametrize("fmt,signed", FORMAT_KINDS)
+def _main_run_takes(*kinds: tuple[str, bool]) -> list:
+    """FORMAT_KINDS, the ones not in ``kinds`` marked exhaustive."""
+    return [pytest.param(f, s, marks=() if (f, s) in kinds else pytest.mark.exhaustive) for f, s in FORMAT_KINDS]
+
+
+@pytest.mark.parametrize("fmt,signed", _main_run_takes(("4bit", True)))
 def test_compiled_dequantize_equals_eager(fmt, signed):
     states = [_state(fmt, signed, shape, dtype, seed)
               for seed, (shape, dtype) in enumerate(itertools.product(SHAPES, DTYPES))]
@@ -228,7 +234,7 @@ def _check_reads(state, reads, seed=0):
 
 
 # one partial-block state per format and signedness: 2-D float32 signed, 1-D bfloat16 unsigned
-@pytest.mark.parametrize("fmt,signed", FORMAT_KINDS)
+@pytest.mark.parametrize("fmt,signed", _main_run_takes(("8bit", True)))
 def test_compiled_reads_equal_eager(fmt, signed):
     shape, dtype = ((3, 257), torch.float32) if signed else ((999,), torch.bfloat16)
     _check_reads(_state(fmt, signed, shape, dtype, seed=1), READS)
