@@ -1,25 +1,18 @@
-"""Every Python block of README.md runs, in order, in one namespace, as a user would paste them."""
+"""Every Python block of README.md runs, in order, in one namespace, as a user would paste them (the
+trainers' recipes run in ``test/integrations/test_readme_recipes.py``)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 import qstate
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _readme_blocks(lang: str) -> list[str]:
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    return re.findall(rf"^```{lang}\n(.*?)^```$", text, re.S | re.M)
+from readme_blocks import readme_blocks, readme_text
 
 
 def test_readme_python_blocks_run(capsys):
-    blocks = _readme_blocks("python")
+    blocks = [b.code for b in readme_blocks("python") if b.needs is None]
     assert len(blocks) >= 2
     namespace: dict = {"__name__": "__readme__"}
     for i, block in enumerate(blocks):
@@ -36,8 +29,7 @@ def test_readme_python_blocks_run(capsys):
 
 def test_readme_commands_are_the_ci_commands():
     # .ci/run takes the test command from between these markers; the demo command is what test_demo runs
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-        text = f.read()
-    for marker in ("test-command", "demo-command"):
+    text = readme_text()
+    for marker in ("test-command", "demo-command", "exhaustive-command", "integrations-command"):
         assert re.search(rf"<!-- {marker} -->\n```bash\n.+\n```\n<!-- /{marker} -->", text), marker
     assert "python -m qstate.demo" in text
