@@ -12,10 +12,9 @@ live tensors only when everything loaded and matched. It costs one extra copy
 of the states while loading.
 
 Invariant: when :func:`load` raises, no tensor and no value of its
-``state_dict`` has changed. So the flow ``sd = get_optimizer_state_dict(model,
-opt)``, ``load({"optim": sd}, ...)``, ``set_optimizer_state_dict(model, opt,
-sd)``, whose ``sd`` aliases the optimizer's live states, never leaves the
-optimizer half loaded. A checkpoint of another state policy loads into an
+``state_dict`` has changed, model tensors included. (Plain ``dcp.load`` also
+leaves a qstate optimizer unchanged, reading into the copies its ``state_dict()``
+gives, but writes the model tensors it reads before a refused state.) A checkpoint of another state policy loads into an
 optimizer of the checkpoint's policy, and :func:`qstate.optim.convert_state_dict`
 then converts its state dict.
 

@@ -72,8 +72,9 @@ argument checks and static flags; everything else lives here:
   (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
   CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
   torch would move them to the parameter's device).
-* **state_dict**: quantized states are saved as :class:`~qstate.QuantizedState`
-  (``torch.load(weights_only=True)`` works after ``import qstate``); loading
+* **state_dict**: copies of the states (:meth:`_states_as_copies`), quantized ones
+  as :class:`~qstate.QuantizedState` (``torch.load(weights_only=True)`` works after
+  ``import qstate``), so that a DCP load reading into them never writes a live state; loading
   keeps their format and dtype (``torch.optim`` would cast states to the
   parameter's dtype, which dequantizes) and moves them to the parameter's
   device. ``load_state_dict`` checks all of the state dict before it changes
