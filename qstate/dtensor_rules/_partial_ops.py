@@ -57,13 +57,26 @@ def _replicate(mesh: Any) -> tuple[Placement, ...]:
 
 
 def partial_survives_cast(p: Partial, src: torch.dtype, dst: torch.dtype) -> bool:
-    """``reduce(cast(x_i)) == cast(reduce(x_i))`` exactly, for every input."""
+    """``reduce(cast(x_i)) == cast(reduce(x_i))`` exactly, for every input.
+
+    Only the same dtype, or ``max``/``min`` through a cast that is monotone over every
+    ``src`` value: to a floating dtype from a real one (rounding never reorders), or
+    between integer dtypes where ``dst`` holds every ``src`` value. A narrowing integer
+    cast wraps (``uint8(max(256, 255)) == 0``, ``max(uint8(256), uint8(255)) == 255``)
+    and a float-to-integer cast is undefined out of range.
+    """
     if type(p) is not Partial:
         return False
     if src == dst:
         return True
-    # casts between real dtypes round monotonically, so they commute with max/min
-    return p.reduce_op in ("max", "min") and torch.bool not in (src, dst)
+    if p.reduce_op not in ("max", "min") or torch.bool in (src, dst) or src.is_complex or dst.is_complex:
+        return False
+    if dst.is_floating_point:
+        return True
+    if src.is_floating_point:
+        return False
+    wide, narrow = torch.iinfo(dst), torch.iinfo(src)
+    return wide.min <= narrow.min and narrow.max <= wide.max
 
 
 # fill_(self, v): every element becomes v on every rank, so Partial(op) ends as

@@ -632,6 +632,35 @@ def test_copy_property(case: tuple[Any, ...]) -> None:
         assert result.output_placements == self_pl
 
 
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.int32, torch.uint8), (torch.int64, torch.int16),
+                                                  (torch.float32, torch.int32), (torch.uint8, torch.int16),
+                                                  (torch.int32, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("reduce_op", ["max", "min"])
+def test_copy_between_pending_max_min_keeps_only_casts_that_commute(src_dtype, dst_dtype, reduce_op) -> None:
+    """copy_ keeps a Partial(max/min) only through a cast that commutes with the reduction: the
+    values span the source dtype's range, where a narrowing cast wraps (uint8(256) == 0)."""
+    h = harness()
+    if src_dtype.is_floating_point:
+        src = torch.tensor([3e9, -3e9, 2.5, 255.75, 1e30, -7.0], dtype=src_dtype)
+    else:
+        info = torch.iinfo(src_dtype)
+        src = torch.tensor([info.max, info.min, 256, 255, -1, 0]).clamp(info.min, info.max).to(src_dtype)
+    dst = torch.zeros(6, dtype=dst_dtype)
+    partial = Partial(reduce_op)
+    with h.simulate():
+        result = run_case(_named(lambda a, b: a.copy_(b), "copy_"), [DArg(dst, (partial,)), DArg(src, (partial,))],
+                          h.mesh((4,)), seed=0)
+    if src_dtype.is_floating_point and not dst_dtype.is_floating_point:
+        # torch's own copy_ of out-of-range floats into integers is undefined: compare placements only
+        assert result.output_placements == (Replicate(),)
+        return
+    assert result.ok and not result.skipped, result.error
+    commutes = dst_dtype.is_floating_point or (
+        torch.iinfo(dst_dtype).min <= torch.iinfo(src_dtype).min
+        and torch.iinfo(src_dtype).max <= torch.iinfo(dst_dtype).max)
+    assert result.output_placements == ((partial,) if commutes else (Replicate(),))
+
+
 INT_DTYPES = [torch.int32, torch.int64, torch.int16, torch.uint8]
 _INPLACE_ERROR = "in-place operations that require placement changes are not supported"
 
