@@ -509,7 +509,10 @@ RULES: tuple[Rule, ...] = tuple(
         impl=random_like_strategy,
         schema_info=RuntimeSchemaInfo(static_kwargkey=["dtype"]) if "like" in str(op) else None,
         reason=_REASON_PLACEMENT,
-        needed=_probe.checked(lambda op=op: not _probe.has_rule(op)),
+        # with the handler only: a strategy alone lets every rank draw the same numbers (torch's
+        # dispatcher does not treat these ops as random), so where torch's RNG makes the handler
+        # unneeded and torch has no rule, the op stays torch's error
+        needed=_probe.checked(lambda op=op: _draws_identical_shards_on_cpu() and not _probe.has_rule(op)),
     )
     for ops, _ in _HANDLERS
     for op in ops

@@ -1105,6 +1105,11 @@ def test_install_on_the_patched_torch_leaves_what_the_series_fixes() -> None:
     for fixed in ("view.dtype (strategy)", "fill_.Scalar (strategy)", "fill_.Tensor (strategy)",
                   "rand_like.default (handler)", "random_.default (handler)"):
         assert fixed in left["patched"] and fixed not in left["unpatched"], (fixed, left)
+    # random_ has no rule in the series: on the patched torch install() leaves it torch's error (its
+    # strategy alone would let every rank draw the same numbers); unpatched, install() draws by position
+    assert left["unpatched"].endswith("random_: independent shards"), left
+    assert left["patched"].endswith("random_: raises NotImplementedError"), left
+    assert "random_.from (strategy)" in left["patched"], left
 
 
 def test_rules_never_import_the_optimizers() -> None:
