@@ -5,9 +5,11 @@ rule, so on a torch that already has a fix nothing is installed for it.  The che
 sharding propagation (metadata only: no tensors, no collectives, no process group) on a 2-rank CPU
 mesh built without a backend, and look at the decision torch makes for the case the rule fixes.
 
-Invariant: a check never changes DTensor's tables or caches, and a check that cannot run on this
-torch (propagation API or mesh constructor missing) answers "needed", so the rule is installed as
-before.
+Invariant: a check never changes DTensor's tables or caches. A check that cannot run on this torch
+(propagation API or mesh constructor missing) raises, naming itself: ``install()`` asks every check
+before it writes anything, so it then raises with the tables unchanged rather than guess. (A
+propagation that raises for the case a rule fixes is an answer, not a failure: torch lacks the rule,
+:func:`output_placements`.)
 """
 
 from __future__ import annotations
@@ -75,13 +77,16 @@ def has_partial(placements: Optional[tuple[Placement, ...]]) -> bool:
 
 
 def checked(check: Any) -> Any:
-    """Wrap a ``needed`` check: a check that cannot run on this torch answers True (install)."""
+    """Wrap a ``needed`` check: a check that cannot run on this torch raises ``RuntimeError`` naming
+    it and the cause (never a guess either way)."""
 
     @functools.wraps(check)
     def needed() -> bool:
         try:
             return bool(check())
-        except Exception:  # noqa: BLE001 - cannot tell: keep the fix
-            return True
+        except Exception as e:
+            name = getattr(check, "__qualname__", repr(check))
+            raise RuntimeError(f"qstate.dtensor_rules: the feature check {name} cannot run on torch "
+                               f"{torch.__version__} ({type(e).__name__}: {e}); nothing installed") from e
 
     return needed

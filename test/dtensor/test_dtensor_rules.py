@@ -1016,6 +1016,27 @@ def test_checks_recognize_the_installed_fixes() -> None:
     assert still == [], still
 
 
+def test_a_check_that_cannot_run_raises_and_installs_nothing(torch_rules: None) -> None:
+    """A feature check that cannot ask torch (here: it raises) makes install() raise, naming it,
+    with DTensor's tables as they were: no guess that the rule is needed, or that it is not."""
+    import dataclasses
+
+    from qstate.dtensor_rules import _probe, _registry
+
+    def broken_check() -> bool:
+        raise AttributeError("ShardingPropagator has no propagate_op_sharding_non_cached")
+
+    first, *rest = rules.RULES
+    registry = _registry.Registry([*rest[:3], dataclasses.replace(first, needed=_probe.checked(broken_check))])
+    before = {name: dict(getattr(_TABLES[name](), name)) for name in _TABLES}
+    with pytest.raises(RuntimeError, match=r"the feature check .*broken_check cannot run on torch .*"
+                                           r"AttributeError: ShardingPropagator has no .*; nothing installed"):
+        registry.install()
+    assert not registry.is_installed() and registry.installed() == []
+    after = {name: dict(getattr(_TABLES[name](), name)) for name in _TABLES}
+    assert after == before
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
