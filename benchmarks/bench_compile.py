@@ -25,7 +25,8 @@ import torch
 
 from _common import (RESULTS_DIR, cold_compile_cache, environment, parse_list, save_json, target_line,
                      third_party_adamw8bit, timed)
-from qstate.optim import AdamW, kernel_specs
+from qstate.optim import AdamW
+from qstate.optim._kernels import kernel_specs
 from qstate.optim._cpu_kernel import built_specs
 
 QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")

@@ -12,25 +12,18 @@ and variant, whose kernels (the C kernel on CPU, inductor's, or the rule's math 
 ``_fused_op.py``. Muon's update is not elementwise (Newton-Schulz of the whole matrix): it runs op
 by op on the parameter, a DTensor included, and its other parameters step as AdamW.
 
-Building blocks for writing rules and kernels of one's own (what the fused kernels and their tests use):
-:class:`StateKind` (the kind of one state) and :class:`KernelSpec` (what one kernel is built for: a rule,
-its flags and its states' kinds), :func:`fusable` (whether the fused kernels take an update's tensors),
-:func:`get_codec` (a format's per-element :class:`Codec`, the kernels' encode/decode) and
-:func:`code_thresholds` (a code map's rounding thresholds), and the stochastic-rounding draws
-:func:`position_draws` / :func:`key_draws` that :func:`stochastic_round_bf16` takes.
+The public names are the optimizers, ``functional``, the base class, what a rule of one's own needs
+(:class:`UpdateRule`, :class:`StateSpec`, :func:`register_rule`), :func:`convert_state_dict`, the C
+kernel's switch (:func:`cpu_kernel_enabled`), bfloat16 stochastic rounding and Adam's update bounds.
+The kernels' building blocks (state kinds, kernel specs, codecs, draws) are the engine's, private.
 """
 
 from . import functional
 from ._cpu_kernel import cpu_kernel_enabled
-from ._codec import Codec, get_codec
-from ._codec import _code_thresholds as code_thresholds
-from ._base import PLAIN_FORMATS, POLICY_OPTIONS, STATE_FORMATS, QuantizedOptimizer
+from ._base import STATE_FORMATS, QuantizedOptimizer
 from ._convert import convert_state_dict
-from ._fused_op import fused_variant
-from ._kernels import KernelSpec, fusable, kernel_specs
-from ._rounding import key_draws, position_draws, stochastic_round_bf16
+from ._rounding import stochastic_round_bf16
 from ._rules import StateSpec, UpdateRule, register_rule
-from ._state_kind import StateKind
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
 from .ademamix import AdEMAMix
 from .lion import Lion
@@ -39,7 +32,6 @@ from .sgd import SGD
 
 __all__ = [
     "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
-    "PLAIN_FORMATS", "POLICY_OPTIONS", "convert_state_dict", "kernel_specs", "cpu_kernel_enabled", "fused_variant",
-    "stochastic_round_bf16", "adam_bound", "adam_update_bound", "StateSpec", "UpdateRule", "register_rule",
-    "StateKind", "KernelSpec", "fusable", "Codec", "get_codec", "code_thresholds", "position_draws", "key_draws",
+    "convert_state_dict", "cpu_kernel_enabled", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
+    "StateSpec", "UpdateRule", "register_rule",
 ]

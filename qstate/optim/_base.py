@@ -1,4 +1,4 @@
-"""``QuantizedOptimizer``: the state plumbing shared by AdamW, Adam, Lion and SGD.
+"""``QuantizedOptimizer``: the state plumbing shared by every optimizer of ``qstate.optim``.
 
 A subclass names its :class:`~qstate.optim._rules.UpdateRule`, its defaults,
 argument checks and static flags; everything else lives here:

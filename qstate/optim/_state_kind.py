@@ -14,7 +14,7 @@ __all__ = ["StateKind"]
 
 class StateKind(NamedTuple):
     """A plain state (``quantized=False``: its ``dtype``) or a :class:`~qstate.QuantizedState`
-    (``format``, ``signed``, ``block_size``, ``rounding``). A named tuple: kernel kinds
+    (``format``, ``signed``, ``block_size``, ``rounding``). A named tuple: kernel specs
     (``_kernels.KernelSpec``) hold one per state and key the kernel caches with it.
 
     An optimizer's plan for a parameter (``QuantizedOptimizer.plan``) is a kind without

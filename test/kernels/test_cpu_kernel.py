@@ -23,7 +23,9 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import KernelSpec, StateKind, _cpu_build, _cpu_kernel, cpu_kernel_enabled
+from qstate.optim import _cpu_build, _cpu_kernel, cpu_kernel_enabled
+from qstate.optim._kernels import KernelSpec
+from qstate.optim._state_kind import StateKind
 from qstate.optim import functional as F
 from rounding_keys import param_keys
 
@@ -450,7 +452,8 @@ def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
     """The C kernel's stochastic rounding (``store_p_sr``, ``param_draw``) of float32 ``value`` with the 64-bit
     ``key``, in torch ops: qstate.optim.stochastic_round_bf16 with the position_draws of each element's flat
     index. ``value`` finite."""
-    from qstate.optim import position_draws, stochastic_round_bf16
+    from qstate.optim import stochastic_round_bf16
+    from qstate.optim._rounding import position_draws
 
     draws = position_draws(key, torch.arange(value.numel(), dtype=torch.int64))
     return stochastic_round_bf16(value.flatten(), draws).reshape(value.shape)
@@ -551,7 +554,7 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # bits, then code = lower code c + (y > t_c), with the tables' t_zero = +0 for unsigned states;
     # emulated here on every threshold and its float neighbours, map entries, specials and values over
     # 9 decades, against Codec.encode
-    from qstate.optim import get_codec
+    from qstate.optim._codec import get_codec
 
     codec = get_codec("8bit", signed, "cpu")
     binade, bucket, t = _cpu_kernel._binade_tables("8bit", signed)
@@ -820,7 +823,7 @@ def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.T
     """Inputs of a map format's vector-encode checker: every 512th float in [0, 1], each threshold and map
     value of both signednesses with its float neighbours, and ``specials``, all with both signs (clamped
     to [-1, 1] if ``clamp``), in a scrambled order (unrelated codes side by side); ``multiple`` divides the count."""
-    from qstate.optim import code_thresholds, get_codec
+    from qstate.optim._codec import _code_thresholds as code_thresholds, get_codec
 
     sweep = torch.arange(0, 0x3F800001, 512, dtype=torch.int64).to(torch.int32).view(torch.float32)
     marks = [torch.tensor(specials)]
@@ -932,7 +935,7 @@ def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Te
     bs = 64 if fmt == "4bit" else 100
     states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
               qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
-    from qstate.optim import fused_variant
+    from qstate.optim._fused_op import fused_variant
 
     spec = KernelSpec.of("adam", _ADAMW_FLAGS, p, states, False)
     assert _cpu_kernel.supports(spec, p.device, g.dtype) and spec.keyed and not spec.param_sr
@@ -954,7 +957,7 @@ def test_state_stochastic_rounding_draws_by_position(fmt):
     # (state i = 0: the first moment); ragged rows (vector loops, then scalar tails) and a start just below
     # 2**32, so that the low word of n wraps inside a row (the carry into the high word)
     from qstate.formats import position_hash32, state_key, stochastic_code
-    from qstate.optim import get_codec
+    from qstate.optim._codec import get_codec
 
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, 203, generator=gen) * 10 ** (2 * torch.rand(3, 203, generator=gen) - 1)
@@ -1052,7 +1055,7 @@ _ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
 def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, variant=None):
     """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors;
     ``starts``: ints (default 0 for each parameter)."""
-    from qstate.optim import fused_variant
+    from qstate.optim._fused_op import fused_variant
     from qstate.optim.adam import ADAM
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
@@ -1112,7 +1115,7 @@ def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op
 
 class TestSrKeysErrors(expecttest.TestCase):
     def test_sr_keys_need_a_stochastically_rounding_variant_and_change_nothing(self):
-        from qstate.optim import fused_variant
+        from qstate.optim._fused_op import fused_variant
 
         ok = torch.zeros(10, 300, dtype=torch.bfloat16)
         g = torch.ones(10, 300, dtype=torch.bfloat16)

@@ -87,7 +87,7 @@ def test_packed_table_encode_is_exact_at_every_threshold(fmt, signed):
     # the packed one-lookup encode (_codec.build_tables) against format.code_of on float bit patterns
     # spread over [-1, 1] and on every code threshold +- 3 ulps (where an inexact table would differ)
     from qstate.formats import get_format
-    from qstate.optim import code_thresholds, get_codec
+    from qstate.optim._codec import _code_thresholds as code_thresholds, get_codec
 
     f = get_format(fmt)
     codec = get_codec(fmt, signed, torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
     # the kernels' encode (table lookup for the nearest code, then the shared stochastic_code) against
     # the eager MapFormat.code_of (searchsorted, then stochastic_code), bit for bit; map entries exact
     from qstate.formats import get_format
-    from qstate.optim import get_codec
+    from qstate.optim._codec import get_codec
 
     f = get_format(fmt)
     qmap = f.make_qmap(True)
@@ -126,7 +126,8 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
 
 
 def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes():
-    from qstate.optim import StateKind, fusable
+    from qstate.optim._state_kind import StateKind
+    from qstate.optim._kernels import fusable
 
     p, g = torch.randn(8, 64), torch.randn(8, 64)
     m = qstate.zeros_like(p, "4bit", rounding="stochastic")
@@ -143,7 +144,7 @@ def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes()
 
 def test_a_state_map_written_in_place_is_no_longer_fusable():
     # fusable() remembers a map it compared equal, until the map's version counter moves
-    from qstate.optim import fusable
+    from qstate.optim._kernels import fusable
 
     p, g = torch.randn(8, 256), torch.randn(8, 256)
     m = qstate.zeros_like(p, "8bit")

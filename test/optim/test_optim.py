@@ -12,7 +12,8 @@ import torch
 
 import qstate
 from qstate.formats import FORMATS, get_format
-from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound, cpu_kernel_enabled, get_codec
+from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound, cpu_kernel_enabled
+from qstate.optim._codec import get_codec
 from qstate.optim import functional as F
 from test_optim_cases import SHAPES, clone_params, grads, params, run_steps
 

@@ -1,7 +1,7 @@
 /* Fused optimizer update over quantized states (8bit, 4bit, fp8), CPU.
  *
  * Built by qstate/optim/_cpu_kernel.py, which prepends the configuration
- * (one shared object per kernel kind, never per shape):
+ * (one shared object per kernel spec, never per shape):
  *
  *   RULE_ADAM | RULE_LION | RULE_SGD     the update rule (qstate/optim/_rules.py)
  *   DECOUPLED, AMSGRAD, MAXIMIZE, MOMENTUM, NESTEROV   the rule's static flags (0/1)
