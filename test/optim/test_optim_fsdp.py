@@ -54,8 +54,14 @@ from qstate.optim import cpu_kernel_enabled
 
 STEPS = 3
 SEED = 1234
-LR = {"AdamW": 1e-2, "Lion": 1e-3, "AdEMAMix": 1e-2}
 BETA1, BETA2 = 0.9, 0.99
+LR = {"AdamW": 1e-2, "Lion": 1e-3, "AdEMAMix": 1e-2, "SGD": 1e-2}
+#: each optimizer's keyword arguments besides lr, weight decay and the state policy
+OPTIONS = {"AdamW": dict(betas=(BETA1, BETA2)), "Lion": dict(betas=(BETA1, BETA2)),
+           "AdEMAMix": dict(betas=(BETA1, BETA2, 0.999), alpha=5.0, alpha_warmup=2),
+           "SGD": dict(momentum=0.9, nesterov=True)}
+#: the states each optimizer keeps per parameter
+STATES = {"AdamW": 2, "Lion": 1, "AdEMAMix": 3, "SGD": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,7 @@ class Config:
 
 #: AdamW: every combination for float32 parameters (states x offload x mixed precision); bf16
 #: parameters (already in the policy's dtype, so no mixed precision) with fp32 states, and with 8-bit
-#: states and offload; Lion and AdEMAMix eager and compiled
+#: states and offload; Lion and SGD (momentum, Nesterov) eager and compiled, AdEMAMix eager
 CONFIGS = [
     Config("AdamW", fmt, torch.float32, offload, mp)
     for fmt in ("fp32", "8bit")
@@ -100,6 +106,8 @@ CONFIGS = [
     Config("AdamW", "4bit", offload=True, mixed_precision=True, compile=True),
     Config("Lion", "8bit", compile=True),
     Config("AdEMAMix", "8bit"),
+    Config("SGD", "8bit"),
+    Config("SGD", "4bit", compile=True),
     # bf16 stochastic rounding on the shards' C kernel: draws by each element's place in the full parameter
     Config("AdamW", "8bit", torch.bfloat16, compile=True),
     Config("AdamW", "4bit", torch.bfloat16, offload=True, compile=True),
@@ -129,9 +137,8 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 def _optimizer(params, cfg: Config, seed: int = SEED) -> torch.optim.Optimizer:
     import qstate.optim
 
-    cls = {"AdamW": qstate.optim.AdamW, "Lion": qstate.optim.Lion, "AdEMAMix": qstate.optim.AdEMAMix}[cfg.optimizer]
-    extra = dict(betas=(BETA1, BETA2, 0.999), alpha=5.0, alpha_warmup=2) if cfg.optimizer == "AdEMAMix" else {}
-    return cls(params, lr=LR[cfg.optimizer], **{"betas": (BETA1, BETA2), **extra}, weight_decay=0.1,
+    cls = getattr(qstate.optim, cfg.optimizer)
+    return cls(params, lr=LR[cfg.optimizer], **OPTIONS[cfg.optimizer], weight_decay=0.1,
                state_format=cfg.state_format, min_quantize_numel=cfg.min_quantize_numel, compile=cfg.compile,
                bf16_stochastic_round=cfg.stochastic_round, seed=seed)
 
@@ -259,7 +266,7 @@ def _assert_same_run(run: Run, ref: Run, cfg: Config) -> None:
         assert sorted(state) == sorted(ref_state), f"{cfg}: param {name}: states {sorted(state)}"
         for key in sorted(ref_state):
             quantized += _assert_equal(state[key], ref_state[key], f"{cfg}: param {name} state {key!r}")
-    want = 0 if cfg.state_format == "fp32" else 3 * {"Lion": 1, "AdEMAMix": 3}.get(cfg.optimizer, 2)
+    want = 0 if cfg.state_format == "fp32" else 3 * STATES[cfg.optimizer]
     assert quantized == want, f"{cfg}: {quantized} quantized states, expected {want}"
 
 
