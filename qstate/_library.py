@@ -28,7 +28,7 @@ so that package can name the op without importing the optimizers.
   replicated).
 * ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
   index in ``self`` (for a DTensor: in the full tensor, computed on each rank
-  from its shard's place, no collectives; kernel: :mod:`qstate.optim._rounding`,
+  from its shard's place, no collectives; kernel: :mod:`qstate._random`,
   DTensor handler: :mod:`qstate.dtensor_rules._random_ops`). Stochastic
   rounding hashes it with a key, so every path and layout draws alike.
 * ``copy_with_draws_(self, src, draws)``: ``self.copy_(src)``, where a quantized
@@ -40,7 +40,7 @@ so that package can name the op without importing the optimizers.
   their states with it op by op, so every path draws alike.
 * ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to
   bfloat16 with the integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape
-  (kernel: :mod:`qstate.optim._rounding`, DTensor strategy:
+  (kernel: :mod:`qstate.optim._param_rounding`, DTensor strategy:
   :mod:`qstate.dtensor_rules._rounding_ops`). Its kernel reinterprets bits with
   ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's
   own rule, whatever torch's rule for ``view(dtype)`` is.

@@ -115,7 +115,7 @@ def check_bf16_stochastic_rounding_on_cuda_shards() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from qstate.optim._rounding import position_draws
+    from qstate._random import position_draws
 
     key = torch.tensor(-0x123456789ABCDEF, dtype=torch.int64)
     index = torch.randint(0, 2**40, (4096,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))

@@ -50,7 +50,7 @@ from torch.distributed.tensor.placement_types import (
     Shard,
 )
 
-from qstate import _splitmix64 as splitmix64
+from qstate import _random
 from qstate._library import flat_index_like
 from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._placements import mesh_dims_sharding
@@ -73,9 +73,9 @@ Sampler = Callable[[torch.Tensor], torch.Tensor]
 
 # ----------------------------------------------------------------- the stream
 # splitmix64's constants as int64 (tensor multiplies wrap mod 2**64 as the words' do)
-_GOLDEN = splitmix64.as_int64(splitmix64.GAMMA)
-_MIX1 = splitmix64.as_int64(splitmix64.MIX1)
-_MIX2 = splitmix64.as_int64(splitmix64.MIX2)
+_GOLDEN = _random.as_int64(_random.GAMMA)
+_MIX1 = _random.as_int64(_random.MIX1)
+_MIX2 = _random.as_int64(_random.MIX2)
 _MASK63 = (1 << 63) - 1
 
 
@@ -89,7 +89,7 @@ def _xor_lsr_(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def mix64(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """splitmix64 output ``index`` of the stream seeded with ``key`` (int64, wraps): :mod:`qstate._splitmix64`'s
+    """splitmix64 output ``index`` of the stream seeded with ``key`` (int64, wraps): :mod:`qstate._random`'s
     ``mix(key + (index + 1) * GAMMA)``, as int64.
 
     Peak memory is two int64 tensors of ``index``'s shape.

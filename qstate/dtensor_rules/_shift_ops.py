@@ -8,7 +8,7 @@ then return ``x`` unchanged, silently. The handlers run the same shift as
 gets right (pointwise: placements stay, no communication). The in-place
 ``>>=`` / ``<<=`` (``__irshift__`` / ``__ilshift__``) are correct as they are.
 
-Who needs it: stochastic rounding's draws (``qstate.optim._rounding.position_draws``,
+Who needs it: stochastic rounding's draws (``qstate._random.position_draws``,
 a hash of each element's index with shifts) on DTensor parameters.
 """
 

@@ -7,7 +7,8 @@ CONTRIBUTING.md, "Adding a format") and :func:`unregister_format` removes it.
 from __future__ import annotations
 
 from ._base import BlockFormat, block_absmax
-from ._rounding import ROUNDINGS, lowbias32, lowbias32_int, position_hash32, state_key, stochastic_code
+from .._random import lowbias32, lowbias32_int, position_hash32, state_key
+from ._rounding import ROUNDINGS, stochastic_code
 from .fp8 import FP8, Float8Format
 from .map_formats import EIGHT_BIT, FOUR_BIT, MapFormat, dynamic_map, nearest_code, normal_map
 

@@ -20,8 +20,8 @@ entries:
      a 64-bit ``key`` (one per parameter and step, drawn from the optimizer's
      rounding stream) and each element's flat index ``n`` in the full tensor;
      ``h = position_hash32(state_key(key, i), n)`` for the update's state
-     ``i`` (:func:`position_hash32`: ``lowbias32(n_lo ^ k_lo ^ lowbias32(n_hi
-     ^ k_hi))`` of the 32-bit halves; :func:`state_key`: ``key ^ (i + 1) *
+     ``i`` (:mod:`qstate._random`: ``lowbias32(n_lo ^ k_lo ^ lowbias32(n_hi
+     ^ k_hi))`` of the 32-bit halves; ``state_key``: ``key ^ (i + 1) *
      0x9e3779b97f4a7c15`` mod ``2**64``);
    * **by value** (an encode given no draws: ``qstate.quantize``, ``copy_``
      into a state): ``h = lowbias32(bits(y))``, ``y``'s float32 bit pattern.
@@ -65,67 +65,17 @@ Properties:
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["ROUNDINGS", "STATE_KEY_STEP", "float_rank", "lowbias32", "lowbias32_int", "position_hash32", "state_key",
-           "stochastic_code"]
+from .._random import lowbias32
+
+__all__ = ["ROUNDINGS", "float_rank", "stochastic_code"]
 
 #: rounding modes of a quantized state; the first is the default
 ROUNDINGS = ("nearest", "stochastic")
-
-#: the low 32 bits: lowbias32 runs on 32-bit words held in int64
-MASK32 = 0xFFFFFFFF
-#: ``0x846ca68b - 2**32``: the same product mod ``2**32``, and ``|x * k| < 2**63`` for ``x < 2**32``
-_K2_SIGNED = 0x846CA68B - (1 << 32)
-
-
-def lowbias32(y: Tensor) -> Tensor:
-    """``lowbias32(bits(y))`` for float32 ``y``, as int64 values in ``[0, 2**32)``."""
-    return lowbias32_int(y.view(torch.int32).long() & MASK32)
-
-
-def lowbias32_int(x: Tensor) -> Tensor:
-    """``lowbias32(x)`` of int64 ``x`` in ``[0, 2**32)``, as int64 values in ``[0, 2**32)``.
-
-    Runs in int64 with a 32-bit mask after each multiply: every product stays
-    below ``2**63`` in magnitude (no overflow), and shifts of non-negative
-    values are logical. Shifts are ``torch.bitwise_right_shift``, not ``>>``:
-    DTensor (torch 2.13, 2.14) returns ``x >> k`` (``aten.__rshift__``) as ``x``.
-    """
-    x = x ^ torch.bitwise_right_shift(x, 16)
-    x = (x * 0x7FEB352D) & MASK32
-    x = x ^ torch.bitwise_right_shift(x, 15)
-    x = (x * _K2_SIGNED) & MASK32
-    return x ^ torch.bitwise_right_shift(x, 16)
-
-
-#: the per-state step of :func:`state_key` (splitmix64's golden-ratio increment)
-STATE_KEY_STEP = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
-
-
-def state_key(key: int, index: int) -> int:
-    """The draw key of the update's state ``index`` (0-based, in the rule's state order) under the
-    parameter's 64-bit ``key`` (an int; the result in ``[0, 2**64)``)."""
-    return (key ^ ((index + 1) * STATE_KEY_STEP)) & _MASK64
-
-
-def position_hash32(key: Union[Tensor, int], index: Tensor) -> Tensor:
-    """32-bit hashes (int64 in ``[0, 2**32)``) of the flat indices ``index`` (int64, >= 0) under the
-    64-bit ``key`` (an int64 tensor, or an int: taken mod ``2**64``): ``lowbias32(n_lo ^ k_lo ^
-    lowbias32(n_hi ^ k_hi))`` of the 32-bit halves (the C kernel's ``position_hash``). For one key and
-    ``n_hi`` it is a bijection of ``n_lo``: the elements of one tensor get distinct hashes; the inner hash
-    is one value per ``2**32`` elements, so a kernel hashes each element once."""
-    if not isinstance(key, Tensor):
-        key &= _MASK64
-        k_lo, k_hi = key & MASK32, key >> 32
-    else:
-        k_lo, k_hi = key & MASK32, torch.bitwise_right_shift(key, 32) & MASK32
-    high = lowbias32_int((torch.bitwise_right_shift(index, 32) & MASK32) ^ k_hi)
-    return lowbias32_int((index & MASK32) ^ k_lo ^ high)
 
 
 def float_rank(v: Tensor) -> Tensor:

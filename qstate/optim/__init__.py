@@ -22,7 +22,7 @@ from . import functional
 from ._cpu_kernel import cpu_kernel_enabled
 from ._base import STATE_FORMATS, QuantizedOptimizer
 from ._convert import convert_state_dict
-from ._rounding import stochastic_round_bf16
+from ._param_rounding import stochastic_round_bf16
 from ._rules import StateSpec, UpdateRule, register_rule
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
 from .ademamix import AdEMAMix

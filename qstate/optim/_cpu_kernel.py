@@ -26,16 +26,16 @@ bfloat16 parameter. Everything else keeps the compiled inductor kernel.
 
 Stochastic rounding of a bfloat16 parameter (``PARAM_SR``): the C kernel
 cannot draw from torch's generator, so it hashes its own draws from a key per
-parameter and update (:class:`ParamKeys`: a splitmix64 mix of one base per
+parameter and update (:class:`qstate._random.ParamKeys`: a splitmix64 mix of one base per
 call of the update, 63 bits drawn from torch's CPU generator, which the
 optimizer seeds from ``(seed, group, step)``, and the parameter's position in
 the call) and each element's flat index (csrc: ``param_draw``), then applies
-:mod:`qstate.optim._rounding`'s rule. A key depends on the position only, not
+:mod:`qstate.optim._param_rounding`'s rule. A key depends on the position only, not
 on whether the update runs now (:func:`run`) or is queued
 (:meth:`._fused_op.PendingCalls.add`), so batching never changes the draws and a resumed
 run continues the same stream. The inductor kernel draws the same bits from the same key
-(:func:`qstate.optim._rounding.position_draws`), and so does the op-by-op path (plain tensors and
-DTensors: :func:`qstate.optim._rounding.key_draws`). Each element's index is its place in the full
+(:func:`qstate._random.position_draws`), and so does the op-by-op path (plain tensors and
+DTensors: :func:`qstate._random.key_draws`). Each element's index is its place in the full
 tensor (:func:`run`'s ``start`` for a DTensor shard). States rounded stochastically draw from the same key
 and places (the state's :func:`qstate.formats.state_key`, then :func:`qstate.formats.position_hash32`), so a
 spec that rounds any state stochastically takes keys and starts too (``KernelSpec.keyed``). ``cpu_kernel_enabled(False)`` turns the C kernel
@@ -62,10 +62,9 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 from torch import Tensor
 
-from .. import _splitmix64 as splitmix64
+from .._random import param_key
 from ..formats import MapFormat, get_format, nearest_code
 from ..formats.fp8 import Float8Format
 from .._state import QuantizedState
@@ -75,8 +74,7 @@ from ._prepared import PreparedUpdate
 from ._rules import RULES
 from ._state_kind import StateKind
 
-__all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared", "ParamKeys",
-           "param_key"]
+__all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
@@ -246,29 +244,6 @@ def _supports_spec(spec, grad_dtype: torch.dtype) -> bool:
     if any(get_format(s.format).bits == 4 for s in spec.states) and group % 2:
         return False
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
-
-
-def param_key() -> int:
-    """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
-    ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
-    with _disable_current_modes():  # host data: drawn on the host, never by a mode (LocalTensorMode's per rank)
-        return int(torch.empty((), dtype=torch.int64).random_())
-
-
-class ParamKeys:
-    """The stochastic-rounding keys of one call of the update: ``keys(i)`` for the parameter at position ``i``
-    of the call's list, splitmix64 of ``base + i``, where ``base`` is one :func:`param_key` drawn when the
-    first key is asked for (so a call without stochastic rounding draws nothing)."""
-
-    __slots__ = ("base",)
-
-    def __init__(self):
-        self.base: Optional[int] = None
-
-    def __call__(self, i: int) -> int:
-        if self.base is None:
-            self.base = param_key()
-        return splitmix64.mix(self.base + i + splitmix64.GAMMA)
 
 
 def _config(spec, grad_dtype: torch.dtype) -> str:
@@ -442,7 +417,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
 
     ``hyper``: the rule's scalars, a float32 tensor on the CPU or Python floats (converted to float32).
     ``key``: the stochastic-rounding key of a spec that draws (``KernelSpec.keyed``: ``PARAM_SR`` or a state
-    rounded stochastically; :class:`ParamKeys`; None: a :func:`param_key` drawn now). ``start``: the flat
+    rounded stochastically; :class:`qstate._random.ParamKeys`; None: a :func:`param_key` drawn now). ``start``: the flat
     index of ``p``'s first element in the full tensor it is a shard of (0: ``p`` is whole); such a spec's
     draws depend on each element's index in the full tensor, so shards of one parameter draw as the whole
     parameter would. The prepared call keeps it

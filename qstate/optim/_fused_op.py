@@ -37,7 +37,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 from torch import Tensor
 
-from .. import _splitmix64 as splitmix64
+from .. import _random
 from .._library import LIBRARY, fused_update, states_per_param
 from .._state import QuantizedState
 from . import _cpu_kernel
@@ -154,13 +154,13 @@ def _update(fused_kernel, params: Sequence[Tensor], grads: Sequence[Tensor], sta
     pending = PendingCalls(hyper)  # shards whose fused-kernel call is prepared: one group per kernel
     for i, (param, grad) in enumerate(zip(params, grads)):
         shard_states = list(states[i * n:(i + 1) * n])
-        key = None if sr_keys is None else sr_keys[i] & splitmix64.MASK64  # the C kernel's uint64
+        key = None if sr_keys is None else sr_keys[i] & _random.MASK64  # the C kernel's uint64
         start = 0 if sr_keys is None else _start_value(starts[i])
         found = None if update.eager else registered_call(param, shard_states)
         if found is not None and not found.valid(update.rule_key, param, grad, shard_states, start):
             found = None
         if found is not None:
-            sr_key = (_cpu_kernel.param_key() if key is None else key) if found.sr else 0
+            sr_key = (_random.param_key() if key is None else key) if found.sr else 0
             pending.add(found, param, grad, sr_key)
         else:
             pending.before(param)
@@ -185,7 +185,7 @@ class PendingCalls:
 
     def add(self, call: PreparedUpdate, p: Tensor, g: Tensor, key: int = 0) -> None:
         """Queue ``call`` of ``p`` with ``g`` and, for a stochastically rounding call, its ``key``
-        (:class:`._cpu_kernel.ParamKeys`)."""
+        (:class:`qstate._random.ParamKeys`)."""
         self.before(p)
         self.params.add(id(p))
         _, calls, ps, gs, keys = self.groups.setdefault(call.group, (type(call), [], [], [], []))

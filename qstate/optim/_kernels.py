@@ -44,7 +44,7 @@ On CPU, the specs :func:`._cpu_kernel.supports` takes (states all 8bit /
 4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
 hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
 bit (a stochastically rounded bfloat16 parameter's too: both kernels hash a
-key and each element's index, :func:`._rounding.position_draws`), one build
+key and each element's index, :func:`qstate._random.position_draws`), one build
 per spec, about 5x faster than inductor's code for quantized states: the
 op's CPU kernel (``_fused_op.update_cpu``) chooses; :func:`run_compiled` runs
 inductor's.
@@ -65,15 +65,16 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import _splitmix64 as splitmix64
+from .. import _random
 from .._state import QuantizedState
-from ..formats import block_absmax, get_format, position_hash32, state_key
+from .._random import position_draws, position_hash32, state_key
+from ..formats import block_absmax, get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._prepared import PreparedUpdate
 from ._rules import RULES, UpdateRule
 from ._state_kind import StateKind
-from ._rounding import position_draws, store_param
+from ._param_rounding import store_param
 
 __all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_specs", "run_compiled"]
 
@@ -238,7 +239,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
 
 
 #: ``state_key(key, i) == key ^ _STATE_KEY_SALTS[i]`` on the kernels' int64 keys (two's complements)
-_STATE_KEY_SALTS = tuple(splitmix64.as_int64(state_key(0, i)) for i in range(8))
+_STATE_KEY_SALTS = tuple(_random.as_int64(state_key(0, i)) for i in range(8))
 
 
 # ------------------------------------------------------------------ compile once per spec
@@ -570,7 +571,7 @@ class PreparedKernelCall(PreparedUpdate):
 
     def _plain_place(self, key: int) -> Tensor:
         """A plain spec's ``place`` on the device, ``[key, start, row_len]``: what the draws hash
-        (:func:`._rounding.position_draws`)."""
+        (:func:`qstate._random.position_draws`)."""
         return _int64_on([_as_key(key), self.start, self.row_len], self.device)
 
 
@@ -610,7 +611,7 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
 
 def _as_key(key: int) -> int:
     """A 64-bit draw key as the int64 the kernels take (its two's complement)."""
-    return splitmix64.as_int64(key & splitmix64.MASK64)
+    return _random.as_int64(key & _random.MASK64)
 
 
 def _int64_on(values: list[int], device: torch.device) -> Tensor:
@@ -652,9 +653,9 @@ def run_compiled(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor
     """One update of ``p`` and its ``states`` by the compiled inductor kernel of its spec (``hyper``: the
     rule's scalars on ``p.device``), and the prepared call of this update for the next steps
     (:mod:`._prepared`). A ``keyed`` spec's draws hash ``key`` (64 bits; None:
-    :func:`._cpu_kernel.param_key` drawn now) with each element's flat index in the full tensor ``p`` is
-    a part of (``start``: its first element's), as the C kernel's (:func:`._rounding.position_draws`).
+    :func:`qstate._random.param_key` drawn now) with each element's flat index in the full tensor ``p`` is
+    a part of (``start``: its first element's), as the C kernel's (:func:`qstate._random.position_draws`).
     """
     call = PreparedKernelCall(spec, p, g, states, start)
-    call(p, g, hyper, (_cpu_kernel.param_key() if key is None else key) if spec.keyed else 0)
+    call(p, g, hyper, (_random.param_key() if key is None else key) if spec.keyed else 0)
     call.register()

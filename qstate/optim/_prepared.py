@@ -76,7 +76,7 @@ class PreparedUpdate:
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
         #: the update's (rule, static flags, stochastic rounding): what the caller checks it against
         self.rule_key = (spec.rule, spec.flags, spec.stochastic_round)
-        #: whether each call takes a stochastic-rounding key (:class:`._cpu_kernel.ParamKeys`)
+        #: whether each call takes a stochastic-rounding key (:class:`qstate._random.ParamKeys`)
         self.sr = spec.keyed
         #: the flat index of ``p``'s first element in its full tensor (0: ``p`` is whole)
         self.start = start

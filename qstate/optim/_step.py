@@ -86,7 +86,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import _splitmix64 as splitmix64
+from .. import _random
 from .._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
 from .._state import QuantizedState
 from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
@@ -302,7 +302,7 @@ def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, 
 
 class _Member(NamedTuple):
     """One parameter of an update: its gradient, states, position in the call's lists if it draws by
-    position under a key (:class:`~._cpu_kernel.ParamKeys`), and the step it takes."""
+    position under a key (:class:`qstate._random.ParamKeys`), and the step it takes."""
 
     param: Tensor
     grad: Tensor
@@ -328,7 +328,7 @@ class PendingUpdate:
         """Write the parameters and states, then the step counts (module docstring: an error while
         writing leaves the counts as they were). The stochastic-rounding keys are drawn here, from the
         CPU generator, as the first key is needed."""
-        keys = _cpu_kernel.ParamKeys()
+        keys = _random.ParamKeys()
         with torch.no_grad():
             for m in self.eager:
                 self._eagerly(m, self.stochastic_round, keys)
@@ -416,7 +416,7 @@ class _Batch:
         return dropped
 
     def run(self, keys) -> None:
-        """Run the call; ``keys`` (:class:`~._cpu_kernel.ParamKeys`) gives each member's key by position."""
+        """Run the call; ``keys`` (:class:`qstate._random.ParamKeys`) gives each member's key by position."""
         if not self.members:
             return
         params = [m.param for m in self.members]
@@ -425,7 +425,7 @@ class _Batch:
         if not self.keyed:
             fused_update(params, grads, states, self.hyper, self.variant)
             return
-        sr_keys = [splitmix64.as_int64(0 if m.position is None else keys(m.position)) for m in self.members]
+        sr_keys = [_random.as_int64(0 if m.position is None else keys(m.position)) for m in self.members]
         # on DTensors each shard draws by its place in the full parameter: its own start
         starts = [_FIRST] * len(params) if self.mesh is None else [flat_starts(p) for p in params]
         fused_update(params, grads, states, self.hyper, self.variant, sr_keys=sr_keys, starts=starts)

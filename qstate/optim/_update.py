@@ -9,8 +9,8 @@ from torch import Tensor
 
 from .._dtensor import rounds_stochastically
 from .._library import copy_with_draws_
-from ..formats import position_hash32, state_key
-from ._rounding import flat_index, key_draws, store_param
+from .._random import flat_index, key_draws, position_hash32, state_key
+from ._param_rounding import store_param
 from ._rules import UpdateRule
 
 __all__ = ["update_eagerly", "write_states"]
@@ -28,7 +28,7 @@ def update_eagerly(rule: UpdateRule, flags: dict, p: Tensor, g: Tensor, states: 
     tensors and DTensors alike; ``start``: a shard's first flat index in the
     full tensor): a state that rounds stochastically is written with
     ``qstate::copy_with_draws_`` (state ``i`` under ``state_key(key, i)``), and a
-    bfloat16 ``p`` rounding stochastically with :func:`~._rounding.key_draws`;
+    bfloat16 ``p`` rounding stochastically with :func:`qstate._random.key_draws`;
     without a key, ``p`` draws from the default generator and states by value.
     """
     p32 = p if p.dtype == torch.float32 else p.float()

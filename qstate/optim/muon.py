@@ -56,7 +56,7 @@ from .._dtensor import is_dtensor, rounds_stochastically
 from ._base import QuantizedOptimizer
 from . import _step
 from ._arguments import check_betas, check_lr, check_non_negative
-from ._cpu_kernel import ParamKeys
+from .._random import ParamKeys
 from ._rules import RULES, StateSpec
 from ._update import write_states
 

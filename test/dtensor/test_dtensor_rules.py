@@ -538,7 +538,7 @@ def test_stochastic_rounding_sequence(shape, mesh_shape, placements) -> None:
 def test_qstate_stochastic_rounding_needs_no_opt_in_rule(torch_rules: None, shape, mesh_shape, placements) -> None:
     """What the optimizers run on DTensors (``key_draws`` + ``stochastic_round_bf16``) gives the
     unsharded bits shard by shard under torch's own rules: only qstate's ops' rules are needed."""
-    from qstate.optim._rounding import key_draws
+    from qstate._random import key_draws
     from qstate.optim import stochastic_round_bf16 as qstate_round
 
     h = harness()

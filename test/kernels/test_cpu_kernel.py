@@ -453,7 +453,7 @@ def _kernel_stochastic_round(value: torch.Tensor, key: int) -> torch.Tensor:
     ``key``, in torch ops: qstate.optim.stochastic_round_bf16 with the position_draws of each element's flat
     index. ``value`` finite."""
     from qstate.optim import stochastic_round_bf16
-    from qstate.optim._rounding import position_draws
+    from qstate._random import position_draws
 
     draws = position_draws(key, torch.arange(value.numel(), dtype=torch.int64))
     return stochastic_round_bf16(value.flatten(), draws).reshape(value.shape)
@@ -746,7 +746,7 @@ def test_fp8_stochastic_encodes_follow_the_rounding_spec(tmp_path, lanes):
     # values over 60 binades at random indices
     import ctypes
 
-    from qstate.formats._rounding import lowbias32_int, position_hash32
+    from qstate._random import lowbias32_int, position_hash32
     from qstate.formats.fp8 import NON_NEGATIVE_VALUES
 
     if lanes and platform.machine() not in ("x86_64", "AMD64"):

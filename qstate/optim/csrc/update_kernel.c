@@ -215,7 +215,7 @@ static inline float rule(float p, float g, float *restrict s0, float *restrict s
 #endif
 }
 
-/* Chris Wellons' lowbias32: the 32-bit mix of every stochastic-rounding draw (qstate/formats/_rounding.py) */
+/* Chris Wellons' lowbias32: the 32-bit mix of every stochastic-rounding draw (qstate/_random.py) */
 static inline uint32_t lowbias32(uint32_t x) {
     x ^= x >> 16;
     x *= 0x7feb352du;
@@ -245,7 +245,7 @@ static inline uint32_t position_hash64(uint64_t key, uint64_t n) {
 #define STATE_KEY(key, i) ((uint64_t)(key) ^ ((uint64_t)((i) + 1) * 0x9E3779B97F4A7C15ull))
 
 #if PARAM_SR
-/* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_rounding.py's rule (round the magnitude up
+/* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_param_rounding.py's rule (round the magnitude up
  * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
  * C kernel's own draws: the top 16 bits of position_hash of the caller's 64-bit key (one per parameter and
  * step) and the element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). */
@@ -297,7 +297,7 @@ static inline int32_t float_rank(float x) {
 }
 
 /* Stochastic rounding of y onto the sorted map from its nearest code c, with the 32-bit draw h (by position:
- * position_hash; qstate/formats/_rounding.py): up with probability (y - lo) / (hi - lo); exact on map entries
+ * position_hash, qstate/_random.py; the spec: qstate/formats/_rounding.py): up with probability (y - lo) / (hi - lo); exact on map entries
  * and on their neighbouring floats. */
 static inline int32_t stochastic_code(float y, int32_t c, const float *restrict qmap, int32_t n, uint32_t h) {
     c -= qmap[c] > y;
