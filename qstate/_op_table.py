@@ -56,6 +56,6 @@ def dispatch(func: OpOverload, types: tuple, args: tuple, kwargs: dict) -> Any:
     if handler is None:
         raise NotImplementedError(
             f"QuantizedState does not support {func} (tensor arguments: {_type_names(args, kwargs)}); "
-            "dequantize() first, or add a handler in qstate/ops (see CONTRIBUTING.md)"
+            "dequantize() first, or register a handler for it with qstate.ops.register"
         )
     return handler(func, args, kwargs)

@@ -205,20 +205,32 @@ def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None
     return q.with_parts(torch.cat([f.pack(values), codes]), torch.cat([q.scale, scale]), shape=(numel,))
 
 
-# DTensor/FSDP2 pad_tensor of uneven shards before all_gather (zeros at the end of dim 0)
-@register(aten.constant_pad_nd.default)
-def _constant_pad(func, args, kwargs):
-    q, pad = args[0], list(args[1])
-    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+def _pad_dim0_end(op: str, q: QuantizedState, pad: list, value: float, mode: str = "constant") -> QuantizedState:
     ndim = q.dim()
     want = [0] * (2 * ndim)
     only_dim0_end = len(pad) == 2 * ndim and pad[:-1] == want[:-1] and pad[-1] >= 0
-    if not only_dim0_end or value != 0:
+    if mode != "constant" or not only_dim0_end or value != 0:
         raise NotImplementedError(
-            f"constant_pad_nd: a QuantizedState pads only zeros at the end of dim 0 "
-            f"(pad=[0, ..., 0, k], value=0), got pad={pad}, value={value} [{q.describe()}]"
+            f"{op}: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], "
+            f"value=0), got pad={pad}{f', mode={mode!r}' if op == 'pad' else ''}, value={value} [{q.describe()}]"
         )
     return pad_state(q, pad[-1])
+
+
+# DTensor/FSDP2 pad_tensor of uneven shards before all_gather (zeros at the end of dim 0): every rank
+# that pads must pad, or the ranks that do not wait in the all-gather for one that raised
+@register(aten.constant_pad_nd.default)
+def _constant_pad(func, args, kwargs):
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    return _pad_dim0_end("constant_pad_nd", args[0], list(args[1]), value)
+
+
+# torch.nn.functional.pad (DTensor's pad_tensor calls it), as it reaches a subclass before decomposing
+@register(aten.pad.default)
+def _pad(func, args, kwargs):
+    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    value = args[3] if len(args) > 3 else kwargs.get("value", None)
+    return _pad_dim0_end("pad", args[0], list(args[1]), 0 if value is None else value, mode)
 
 
 # LocalTensor (simulated ranks) and DTensor metadata queries: a state is its own base, offset 0

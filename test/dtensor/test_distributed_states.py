@@ -150,6 +150,32 @@ def dcp_load_via_qstate_body(rank: int, world_size: int, path: str, fmt: str) ->
     _check_loaded(sd, fmt)
 
 
+def uneven_rows_math_body(rank: int, world_size: int) -> None:
+    import qstate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.randn(129, 300, generator=torch.Generator().manual_seed(0))
+    m = qstate.distributed.quantize_dtensor(distribute_tensor(full, mesh, [Shard(0)]), "8bit")
+    # gathering uneven shards pads the short ones with zero rows: the whole state, exactly
+    gathered = m.redistribute(mesh, [Replicate()]).to_local()
+    want = qstate.quantize(full, "8bit")
+    assert torch.equal(gathered.codes, want.codes) and torch.equal(gathered.scale, want.scale)
+    # a reduction over dim 0 pads and gathers too, then splits columns, which a state cannot: every rank
+    # raises there, none is left waiting in a collective for a rank that failed to pad
+    m.mean(dim=0)
+
+
+def test_math_on_uneven_shards_pads_on_every_rank_and_never_hangs():
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(uneven_rows_math_body, 2)
+    tracebacks = str(info.value).split("Traceback (most recent call last):")[1:]
+    # the columns' split: chunk (torch 2.14), narrow (2.13)
+    assert len(tracebacks) == 2 and all(re.search(r"QuantizedState does not support aten\.(chunk|narrow)\.default", t)
+                                        for t in tracebacks), info.value
+
+
 RESHARD = [(2, 1), (2, 3), (3, 2), (1, 2)]
 
 

@@ -98,7 +98,7 @@ QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', sha
         q = qstate.quantize(torch.randn(4, 4), "8bit")
         self.assertExpectedInline(
             _err(lambda: torch.mm(q, torch.randn(4, 4))),
-            """NotImplementedError: QuantizedState does not support aten.mm.default (tensor arguments: QuantizedState, Tensor); dequantize() first, or add a handler in qstate/ops (see CONTRIBUTING.md)""",
+            """NotImplementedError: QuantizedState does not support aten.mm.default (tensor arguments: QuantizedState, Tensor); dequantize() first, or register a handler for it with qstate.ops.register""",
         )
 
     def test_construction_errors(self):
