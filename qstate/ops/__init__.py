@@ -4,6 +4,6 @@ Importing this package fills :data:`DISPATCH_TABLE`; ``registered_ops()`` lists 
 """
 
 from .._op_table import DISPATCH_TABLE, dispatch, register, registered_ops
-from . import collectives, copy, layout, math  # noqa: F401  (registers handlers)
+from . import collectives, copy, foreach, layout, math  # noqa: F401  (registers handlers)
 
 __all__ = ["DISPATCH_TABLE", "dispatch", "register", "registered_ops"]

@@ -24,6 +24,9 @@ READ_OPS = [
     aten.where.self, aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
     aten.amax.default, aten.max.default, aten.min.default, aten.linalg_vector_norm.default,
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.isfinite.default, aten.isnan.default,
+    aten.clamp_min.default, aten.clamp_max.default, aten.reciprocal.default, aten.gt.Tensor, aten.gt.Scalar,
+    aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
+    aten.mm.default,
 ]
 
 #: in-place ops; on a state they requantize into its layout
@@ -31,6 +34,8 @@ INPLACE_OPS = [
     aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor, aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar,
     aten.div_.Tensor, aten.div_.Scalar, aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
     aten.addcdiv_.default, aten.sqrt_.default, aten.clamp_.default, aten.fill_.Scalar, aten.maximum.out,
+    aten.neg_.default, aten.abs_.default, aten.sign_.default, aten.reciprocal_.default, aten.clamp_min_.default,
+    aten.clamp_max_.default, aten.pow_.Scalar,
 ]
 
 

@@ -97,8 +97,8 @@ QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', sha
     def test_unknown_op_names_op_and_types(self):
         q = qstate.quantize(torch.randn(4, 4), "8bit")
         self.assertExpectedInline(
-            _err(lambda: torch.mm(q, torch.randn(4, 4))),
-            """NotImplementedError: QuantizedState does not support aten.mm.default (tensor arguments: QuantizedState, Tensor); dequantize() first, or register a handler for it with qstate.ops.register""",
+            _err(lambda: torch.cross(q, torch.randn(4, 4), dim=1)),
+            """NotImplementedError: QuantizedState does not support aten.linalg_cross.default (tensor arguments: QuantizedState, Tensor); dequantize() first, or register a handler for it with qstate.ops.register""",
         )
 
     def test_construction_errors(self):
