@@ -20,13 +20,13 @@ time) are opt-in, :func:`qstate.dtensor_rules.install`.
 import torch
 
 from . import formats
-from ._api import quantize, row_layout, zeros_like
+from ._api import dequantize, quantize, row_layout, zeros_like
 from .distributed import DEFAULT_MIN_QUANTIZE_NUMEL, state_like, wants_quantized
 from ._state import QuantizedState, _rebuild_quantized_state
 from . import ops  # noqa: F401  (fills the dispatch table)
 from . import dtensor_rules
 
-__all__ = ["QuantizedState", "quantize", "zeros_like", "state_like", "wants_quantized",
+__all__ = ["QuantizedState", "quantize", "dequantize", "zeros_like", "state_like", "wants_quantized",
            "DEFAULT_MIN_QUANTIZE_NUMEL", "row_layout", "formats", "ops", "dtensor_rules", "SAFE_GLOBALS"]
 __version__ = "0.1.0"
 

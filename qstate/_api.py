@@ -8,11 +8,11 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._dtensor import is_dtensor, wrap_local_state
+from ._dtensor import is_dtensor, shard_of, wrap_local_state
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
-__all__ = ["quantize", "zeros_like", "row_layout", "encode_like", "zero_parts"]
+__all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_like", "zero_parts"]
 
 
 def row_layout(shape: Sequence[int]) -> tuple[int, int]:
@@ -159,6 +159,21 @@ def _check_placements(x: Tensor, what: str) -> None:
                 f"{what}: a quantized DTensor state must be Replicate() or Shard(0) on every mesh dim, "
                 f"got placements {tuple(x.placements)} for shape {tuple(x.shape)}"
             )
+
+
+def dequantize(x: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``x``'s values as a plain tensor of ``dtype`` (default: ``x``'s appearance dtype).
+
+    A :class:`QuantizedState` gives :meth:`~QuantizedState.dequantize`; a DTensor over one, the DTensor
+    of the same mesh, placements and shape over each shard's values (no communication); any other
+    tensor (plain, or a DTensor of plain shards) is returned as it is, cast where ``dtype`` differs.
+    (``x.float()`` of a state is the state itself: torch sees a float32 tensor.)
+    """
+    if is_dtensor(x) and isinstance(shard_of(x), QuantizedState):
+        return wrap_local_state(_map_local(x.to_local(), lambda t: t.dequantize(dtype)), x)
+    if isinstance(x, QuantizedState):
+        return x.dequantize(dtype)
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
 
 
 def _on_shards(x: Tensor, what: str, fn: Callable[[Tensor], Tensor]) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._state import QuantizedState
 
-__all__ = ["dtensor_type", "is_dtensor", "local_of", "is_quantized_state", "rounds_stochastically", "state_kind",
+__all__ = ["dtensor_type", "is_dtensor", "local_of", "shard_of", "is_quantized_state", "rounds_stochastically", "state_kind",
            "wrap_local_state"]
 
 
@@ -38,6 +38,16 @@ def local_of(t: Tensor) -> Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def shard_of(t: Tensor) -> Tensor:
+    """One rank's tensor: :func:`local_of`, and under simulated ranks the first rank's shard of the
+    ``LocalTensor`` (every rank's shard has the same type and kind)."""
+    local = local_of(t)
+    shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
+    if isinstance(shards, dict) and shards:
+        return next(iter(shards.values()))
+    return local
+
+
 def is_quantized_state(t: Tensor) -> bool:
     """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
     return isinstance(local_of(t), QuantizedState)
@@ -48,10 +58,7 @@ def rounds_stochastically(t: Tensor) -> bool:
     or a DTensor over one, a simulated rank's ``LocalTensor`` included)."""
     if type(t) is QuantizedState:  # asked for every state every step: the common case first
         return t.rounding == "stochastic"
-    local = local_of(t)
-    shards = getattr(local, "_local_tensors", None)  # a LocalTensor: every simulated rank's shard
-    if isinstance(shards, dict) and shards:
-        local = next(iter(shards.values()))
+    local = shard_of(t)
     return isinstance(local, QuantizedState) and local.rounding == "stochastic"
 
 

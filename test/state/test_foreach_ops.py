@@ -101,3 +101,36 @@ def test_torch_foreach_optimizers_step_with_swapped_in_8bit_states(make):
         assert all(isinstance(v, qstate.QuantizedState) for v in opt.state[p].values() if v.dim() == 2)
         # three steps on 8bit states: the parameters stay within a few lr of the fp32 run's
         torch.testing.assert_close(p.detach(), r.detach(), atol=3e-2, rtol=0)
+
+
+def test_dequantize_gives_plain_values_of_plain_and_dtensor_states():
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    full = values((129, 300), 0, True, torch.float32)
+    q = qstate.quantize(full, "8bit")
+    assert type(qstate.dequantize(q)) is torch.Tensor and torch.equal(qstate.dequantize(q), q.dequantize())
+    assert qstate.dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+    assert qstate.dequantize(full) is full
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("fake", rank=0, world_size=3)
+    try:
+        with LocalTensorMode(3), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            d = qstate.distributed.quantize_dtensor(distribute_tensor(full, init_device_mesh("cpu", (3,)),
+                                                                      [Shard(0)]), "8bit")
+            with CommDebugMode() as comms:
+                plain = qstate.dequantize(d)
+            assert comms.get_total_counts() == 0
+            assert isinstance(plain, DTensor) and plain.placements == d.placements and plain.shape == d.shape
+            assert not isinstance(plain.to_local()._local_tensors[0], qstate.QuantizedState)
+            assert torch.equal(plain.full_tensor(), q.dequantize())
+    finally:
+        if started:
+            dist.destroy_process_group()
