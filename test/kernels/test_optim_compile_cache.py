@@ -84,6 +84,7 @@ SCRIPT = textwrap.dedent(
 
 def _run(tmp: str, cache_dir: str, formats: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env.pop("QSTATE_CPU_KERNEL_CACHE", None)  # the C kernels' cache: inside the inductor cache dir
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     script = os.path.join(tmp, "train.py")  # a file: spawned ranks import their function from it
