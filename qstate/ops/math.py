@@ -26,8 +26,9 @@ READ_OPS = [
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.isfinite.default, aten.isnan.default,
     aten.clamp_min.default, aten.clamp_max.default, aten.reciprocal.default, aten.gt.Tensor, aten.gt.Scalar,
     aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
-    aten.mm.default,
 ]
+#: matrix products reading a state (of two dims) -> plain result
+MATMUL_OPS = [aten.mm.default]
 
 #: in-place ops; on a state they requantize into its layout
 INPLACE_OPS = [
@@ -40,7 +41,7 @@ INPLACE_OPS = [
 
 
 # optimizers reading moments (exp_avg.mul(beta), exp_avg_sq.sqrt(), ...) and tests
-@register(*READ_OPS)
+@register(*READ_OPS, *MATMUL_OPS)
 def _read(func, args, kwargs):
     return func(*dequantize_args(args), **dequantize_args(kwargs))
 

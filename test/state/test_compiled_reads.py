@@ -106,6 +106,17 @@ READS = {
     aten.ne.Tensor: lambda s, o, p, w, c: aten.ne.Tensor(s, aten.clamp.default(o, -0.001, 0.001)),
     aten.isfinite.default: lambda s, o, p, w, c: aten.isfinite.default(s),
     aten.isnan.default: lambda s, o, p, w, c: aten.isnan.default(s),
+    aten.clamp_min.default: lambda s, o, p, w, c: aten.clamp_min.default(s, -0.25),
+    aten.clamp_max.default: lambda s, o, p, w, c: aten.clamp_max.default(s, 0.25),
+    aten.reciprocal.default: lambda s, o, p, w, c: aten.reciprocal.default(aten.add.Scalar(aten.abs.default(s), 1.0)),
+    aten.gt.Tensor: lambda s, o, p, w, c: aten.gt.Tensor(s, o),
+    aten.gt.Scalar: lambda s, o, p, w, c: aten.gt.Scalar(s, 0.1),
+    aten.ge.Tensor: lambda s, o, p, w, c: aten.ge.Tensor(o, s),
+    aten.ge.Scalar: lambda s, o, p, w, c: aten.ge.Scalar(s, -0.1),
+    aten.lt.Tensor: lambda s, o, p, w, c: aten.lt.Tensor(s, o),
+    aten.lt.Scalar: lambda s, o, p, w, c: aten.lt.Scalar(s, 0.1),
+    aten.le.Tensor: lambda s, o, p, w, c: aten.le.Tensor(o, s),
+    aten.le.Scalar: lambda s, o, p, w, c: aten.le.Scalar(s, -0.1),
 }
 
 #: each in-place math op of the op table, as a write into a state ``s`` (``maximum.out``: ``out=s``)
@@ -126,6 +137,13 @@ WRITES = {
     aten.clamp_.default: lambda s, o, p, w, c: aten.clamp_.default(s, 0.0, 0.5),
     aten.fill_.Scalar: lambda s, o, p, w, c: aten.fill_.Scalar(s, 0.5),
     aten.maximum.out: lambda s, o, p, w, c: aten.maximum.out(s, o, out=s),
+    aten.neg_.default: lambda s, o, p, w, c: aten.neg_.default(s),
+    aten.abs_.default: lambda s, o, p, w, c: aten.abs_.default(s),
+    aten.sign_.default: lambda s, o, p, w, c: aten.sign_.default(s),
+    aten.reciprocal_.default: lambda s, o, p, w, c: aten.reciprocal_.default(aten.clamp_min_.default(s, 1.0)),
+    aten.clamp_min_.default: lambda s, o, p, w, c: aten.clamp_min_.default(s, -0.25),
+    aten.clamp_max_.default: lambda s, o, p, w, c: aten.clamp_max_.default(s, 0.25),
+    aten.pow_.Scalar: lambda s, o, p, w, c: aten.pow_.Scalar(s, 2),
 }
 
 
