@@ -14,8 +14,8 @@ from torch import Tensor
 
 from ._state import QuantizedState
 
-__all__ = ["dtensor_type", "is_dtensor", "local_of", "shard_of", "is_quantized_state", "rounds_stochastically", "state_kind",
-           "wrap_local_state"]
+__all__ = ["dtensor_type", "is_dtensor", "local_of", "shard_of", "is_quantized_state", "rounds_stochastically",
+           "state_kind", "wrap_local_state"]
 
 
 @functools.cache

@@ -14,8 +14,8 @@ of the states while loading.
 Invariant: when :func:`load` raises, no tensor and no value of its
 ``state_dict`` has changed, model tensors included. (Plain ``dcp.load`` also
 leaves a qstate optimizer unchanged, reading into the copies its ``state_dict()``
-gives, but writes the model tensors it reads before a refused state.) A checkpoint of another state policy loads into an
-optimizer of the checkpoint's policy, and :func:`qstate.optim.convert_state_dict`
+gives, but writes the model tensors it reads before a refused state.) A
+checkpoint of another state policy loads into an optimizer of the checkpoint's policy, and :func:`qstate.optim.convert_state_dict`
 then converts its state dict.
 
 Saving needs nothing special: ``dcp.save`` stores quantized DTensor states

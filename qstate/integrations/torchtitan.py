@@ -53,8 +53,9 @@ class OptimizersContainer(TorchtitanOptimizersContainer):
         qstate_names = sorted({pg.optimizer_name for pg in config.param_groups if pg.optimizer_name in OPTIMIZERS})
         if qstate_names and config.implementation == "fused_opt_states_bf16":
             raise ValueError(f"OptimizersContainer: implementation='fused_opt_states_bf16' makes torch's AdamW keep "
-                             f"bfloat16 states; qstate's optimizers ({', '.join(qstate_names)}) keep the states their state_format "
-                             "chooses (state_format='bf16' for bfloat16 ones): use implementation='fused'")
+                             f"bfloat16 states; qstate's optimizers ({', '.join(qstate_names)}) keep the states "
+                             "their state_format chooses (state_format='bf16' for bfloat16 ones): use "
+                             "implementation='fused'")
         super().__init__(config, model_parts=model_parts)
 
     @staticmethod

@@ -48,7 +48,8 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
         legacy = legacy_map_name(src.qmap)
         if legacy != legacy_map_name(dst.qmap):  # codes copied as they are must index the same map
             raise ValueError(f"copy_: the source state is stored with {legacy or 'its format map'}, the destination "
-                             f"[{dst.describe()}] with {legacy_map_name(dst.qmap) or 'its format map'}; {_CONVERT_HINT}")
+                             f"[{dst.describe()}] with {legacy_map_name(dst.qmap) or 'its format map'}; "
+                             f"{_CONVERT_HINT}")
         codes, scale = src.codes, src.scale
     else:
         if not src.is_floating_point():

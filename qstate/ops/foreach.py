@@ -40,8 +40,7 @@ def _foreach_ops() -> list[torch._ops.OpOverload]:
 
 def _element(arg: torch.Argument, value: Any, i: int) -> Any:
     """The argument of the per-tensor op at position ``i``."""
-    type_ = str(arg.type)
-    if type_ in ("List[Tensor]", "Tensor[]", "List[number]", "Scalar[]") or type_.startswith("List["):
+    if isinstance(arg.type, torch.ListType):  # Tensor[], Scalar[]
         return value[i]
     if arg.name == "scalars" and isinstance(value, torch.Tensor):  # one value per tensor (addc*.Tensor)
         return value[i].item()

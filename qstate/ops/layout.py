@@ -205,14 +205,17 @@ def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None
     return q.with_parts(torch.cat([f.pack(values), codes]), torch.cat([q.scale, scale]), shape=(numel,))
 
 
-def _pad_dim0_end(op: str, q: QuantizedState, pad: list, value: float, mode: str = "constant") -> QuantizedState:
+def _pad_dim0_end(op: str, q: QuantizedState, pad: list, value: float, mode: Optional[str] = None) -> QuantizedState:
+    """``q`` padded by ``pad`` (torch's order: last dim first); only zeros at the end of dim 0.
+    ``mode``: ``aten.pad``'s (``constant_pad_nd`` has none)."""
     ndim = q.dim()
     want = [0] * (2 * ndim)
     only_dim0_end = len(pad) == 2 * ndim and pad[:-1] == want[:-1] and pad[-1] >= 0
-    if mode != "constant" or not only_dim0_end or value != 0:
+    if mode not in (None, "constant") or not only_dim0_end or value != 0:
+        shown = "" if mode is None else f", mode={mode!r}"
         raise NotImplementedError(
             f"{op}: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], "
-            f"value=0), got pad={pad}{f', mode={mode!r}' if op == 'pad' else ''}, value={value} [{q.describe()}]"
+            f"value=0), got pad={pad}{shown}, value={value} [{q.describe()}]"
         )
     return pad_state(q, pad[-1])
 

@@ -65,9 +65,8 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import _random
+from .._random import MASK64, as_int64, param_key, position_draws, position_hash32, state_key
 from .._state import QuantizedState
-from .._random import position_draws, position_hash32, state_key
 from ..formats import block_absmax, get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
@@ -239,7 +238,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
 
 
 #: ``state_key(key, i) == key ^ _STATE_KEY_SALTS[i]`` on the kernels' int64 keys (two's complements)
-_STATE_KEY_SALTS = tuple(_random.as_int64(state_key(0, i)) for i in range(8))
+_STATE_KEY_SALTS = tuple(as_int64(state_key(0, i)) for i in range(8))
 
 
 # ------------------------------------------------------------------ compile once per spec
@@ -611,7 +610,7 @@ def _batches(calls: Sequence[PreparedKernelCall]) -> list[list[int]]:
 
 def _as_key(key: int) -> int:
     """A 64-bit draw key as the int64 the kernels take (its two's complement)."""
-    return _random.as_int64(key & _random.MASK64)
+    return as_int64(key & MASK64)
 
 
 def _int64_on(values: list[int], device: torch.device) -> Tensor:
@@ -657,5 +656,5 @@ def run_compiled(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor
     a part of (``start``: its first element's), as the C kernel's (:func:`qstate._random.position_draws`).
     """
     call = PreparedKernelCall(spec, p, g, states, start)
-    call(p, g, hyper, (_random.param_key() if key is None else key) if spec.keyed else 0)
+    call(p, g, hyper, (param_key() if key is None else key) if spec.keyed else 0)
     call.register()

@@ -45,8 +45,7 @@ CASES: list[tuple[str, Callable]] = [
     ("neg_", lambda x, y, z: torch._foreach_neg_(x)),
     ("zero_", lambda x, y, z: torch._foreach_zero_(x)),
     ("copy_", lambda x, y, z: torch._foreach_copy_(x, y)),
-    ("sqrt", lambda x, y, z: torch._foreach_sqrt([t.abs() for t in x]) if not isinstance(x[0], qstate.QuantizedState)
-     else torch._foreach_sqrt(x)),
+    ("sqrt", lambda x, y, z: torch._foreach_sqrt(x)),  # of unsigned states
     ("mul.Scalar", lambda x, y, z: torch._foreach_mul(x, 2.0)),
     ("add.List", lambda x, y, z: torch._foreach_add(x, y, alpha=2.0)),
     ("neg", lambda x, y, z: torch._foreach_neg(x)),
