@@ -49,8 +49,9 @@ def shard_of(t: Tensor) -> Tensor:
 
 
 def is_quantized_state(t: Tensor) -> bool:
-    """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one."""
-    return isinstance(local_of(t), QuantizedState)
+    """Whether ``t`` is a :class:`~qstate.QuantizedState` or a DTensor over one (a simulated rank's
+    ``LocalTensor`` included)."""
+    return isinstance(shard_of(t), QuantizedState)
 
 
 def rounds_stochastically(t: Tensor) -> bool:
