@@ -12,7 +12,7 @@ from ._dtensor import is_dtensor, shard_of, wrap_local_state
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
-__all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_like", "zero_parts"]
+__all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_like", "zero_parts", "check_nonnegative"]
 
 
 def row_layout(shape: Sequence[int]) -> tuple[int, int]:
@@ -65,6 +65,17 @@ def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size:
     return f.encode(_rows(x, rows, row_len), block_size, signed, qmap, rounding)
 
 
+def check_nonnegative(x: Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` if ``x`` holds a negative value: an unsigned state's codes
+    hold none, and rounding one to zero would change it silently (fake and meta ``x``: not checked)."""
+    if x.is_meta or torch._subclasses.fake_tensor.is_fake(x) or x.numel() == 0:
+        return
+    low = x.min()
+    if bool(low < 0):
+        raise ValueError(f"{what}: an unsigned state holds values >= 0, got {int((x < 0).sum())} negative "
+                         f"value(s) (the lowest {float(low):.6g}); use signed=True, or clamp_min(0) explicitly")
+
+
 def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[int] = None,
              rounding: str = "nearest") -> Tensor:
     """Quantize ``x`` into a :class:`QuantizedState` of format ``fmt``.
@@ -75,7 +86,9 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
     implement for signed states) is the state's rounding mode, used for ``x``
     and for every later write; a mode the format does not implement raises
     ``ValueError``. ``block_size`` is at most ``2**31 - 1``
-    (:meth:`~qstate.formats.BlockFormat.check_block_size`).
+    (:meth:`~qstate.formats.BlockFormat.check_block_size`). ``signed=False``
+    (for values that are never negative, such as second moments) raises
+    ``ValueError`` on a negative value.
 
     A fake ``x`` (``torch._subclasses.FakeTensorMode``) gives a state whose parts
     (``codes``, ``scale``, ``qmap``) are fake tensors of the same mode, with the
@@ -88,6 +101,8 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
         raise TypeError(f"quantize: input is already a QuantizedState ({x.describe()})")
     _check_appearance(x.dtype, "quantize")
     f, bs = _resolve(fmt, block_size, signed, rounding)
+    if not signed:
+        check_nonnegative(x.detach(), "quantize(signed=False)")
     rows, row_len = row_layout(x.shape)
     qmap = _make_qmap(f, signed, x)
     codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding)

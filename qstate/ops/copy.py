@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._library import LIBRARY
-from .._api import encode_like, row_layout, zero_parts
+from .._api import check_nonnegative, encode_like, row_layout, zero_parts
 from .._state import QuantizedState
 from ..formats.map_formats import legacy_map_name
 from .._op_table import register
@@ -63,6 +63,8 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
         if draws is not None and tuple(draws.shape) != tuple(dst.shape):
             raise ValueError(f"copy_with_draws_: expected draws of shape {tuple(dst.shape)}, got "
                              f"{tuple(draws.shape)} [{dst.describe()}]")
+        if not dst.signed:
+            check_nonnegative(src, f"copy_ into {dst.state_name or 'a state'} [{dst.describe()}]")
         codes, scale = encode_like(dst, src, draws if dst.rounding == "stochastic" else None)
     if codes.shape != dst.codes.shape or scale.shape != dst.scale.shape:  # never a broadcast
         raise ValueError(f"copy_: expected codes {list(dst.codes.shape)} and scales {list(dst.scale.shape)} "

@@ -22,7 +22,7 @@ def _err(fn) -> str:
 class TestReprAndErrors(expecttest.TestCase):
     def test_repr(self):
         lines = [
-            repr(qstate.quantize(torch.randn(3, 5, dtype=d), f, signed=s))
+            repr(qstate.quantize(torch.randn(3, 5, dtype=d).abs(), f, signed=s))
             for f, s, d in itertools.product(sorted(FORMATS), (True, False), (torch.float32, torch.bfloat16))
         ]
         self.assertExpectedInline("\n".join(lines), """\
@@ -47,6 +47,17 @@ QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', sha
         self.assertTrue(torch.equal(q.codes, codes) and torch.equal(q.scale, scale))
         return msg
 
+    def test_unsigned_states_refuse_negative_values(self):
+        x = torch.tensor([[0.5, -0.25, 1.0, -2.0]])
+        self.assertExpectedInline(_err(lambda: qstate.quantize(x, "8bit", signed=False)), """\
+ValueError: quantize(signed=False): an unsigned state holds values >= 0, got 2 negative value(s) (the lowest -2); use signed=True, or clamp_min(0) explicitly""")  # noqa: B950
+        v = qstate.quantize(x.abs(), "4bit", signed=False)
+        self.assertExpectedInline(self._unchanged_after(v, lambda: v.copy_(x)), """\
+ValueError: copy_ into a state [4bit unsigned block_size=128 dtype=torch.float32 shape=(1, 4) device=cpu]: an unsigned state holds values >= 0, got 2 negative value(s) (the lowest -2); use signed=True, or clamp_min(0) explicitly""")  # noqa: B950
+        self.assertExpectedInline(self._unchanged_after(v, lambda: v.sub_(1.0)), """ValueError: copy_ into a state [4bit unsigned block_size=128 dtype=torch.float32 shape=(1, 4) device=cpu]: an unsigned state holds values >= 0, got 2 negative value(s) (the lowest -0.777778); use signed=True, or clamp_min(0) explicitly""")  # noqa: B950
+        v.copy_(torch.tensor([[-0.0, 0.0, 1.0, 2.0]]))  # -0.0 is not negative
+        assert torch.equal(v.dequantize()[0, :2], torch.zeros(2))
+
     def test_copy_errors_leave_destination_unchanged(self):
         q = qstate.quantize(torch.randn(4, 300), "8bit")
         self.assertExpectedInline(
@@ -58,7 +69,7 @@ QuantizedState(format='4bit', signed, block_size=128, rounding='stochastic', sha
             """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit signed block_size=64 dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
-            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.randn(4, 300), "8bit", signed=False))),
+            self._unchanged_after(q, lambda: q.copy_(qstate.quantize(torch.rand(4, 300), "8bit", signed=False))),
             """ValueError: copy_: expected a state of kind [8bit signed block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu], got [8bit unsigned block_size=256 dtype=torch.float32 shape=(4, 300) device=cpu]; copy_ never converts a state: copy its values (dst.copy_(src.dequantize())) or convert a state dict with qstate.optim.convert_state_dict(state_dict, optimizer)""",
         )
         self.assertExpectedInline(
@@ -186,7 +197,7 @@ def test_registered_ops_cover_the_listed_families():
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_save_load_weights_only_round_trip(fmt, dtype):
-    q = qstate.quantize(torch.randn(7, 33).to(dtype), fmt, signed=False if fmt == "4bit" else True)
+    q = qstate.quantize(torch.randn(7, 33).abs().to(dtype), fmt, signed=False if fmt == "4bit" else True)
     buf = io.BytesIO()
     torch.save({"exp_avg": q, "step": torch.tensor(3.0)}, buf)
     buf.seek(0)
