@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -543,11 +544,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overlay and not where.startswith(overlay):
         raise RuntimeError(f"DTENSOR_OVERLAY={overlay} but torch.distributed.tensor is {where}")
     if args.install:
-        sys.path.insert(0, str(HERE.parent))
+        if importlib.util.find_spec("qstate") is None:  # not on PYTHONPATH: this checkout's
+            sys.path.insert(0, str(HERE.parent))
         import qstate.dtensor_rules as rules
 
         rules.install()
     rules_state = "install()" if args.install else "torch's own rules"
+    if args.install:
+        rules_state += f" of {os.path.dirname(os.path.dirname(rules.__file__))}"
     print(f"torch {torch.__version__}, torch.distributed.tensor from {where}; {rules_state}")
     cases = [c for c in all_cases(args.slice) if args.k in c.id]
     outcomes = run_audit(cases)
