@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -120,6 +121,7 @@ class Op:
     width_ratio: int = 1  # the full tensor's columns are multiplied by this
     family: str = ""  # the row it is counted under (default: name)
     dst: torch.dtype | None = None  # the other dtype of a dtype pair (view, cast, copy_)
+    domain: Callable[[torch.Tensor], torch.Tensor] | None = None  # maps the input's full value
 
     @property
     def row(self) -> str:
@@ -145,18 +147,27 @@ def _cast_ops() -> list[Op]:
     out = []
     for src in DTYPES:
         for dst in DTYPES:
+            in_range = functools.partial(_castable, dst=dst)
             out.append(Op(f"to({_short(dst)})", lambda x, d=dst: x.to(d), (src,), family="_to_copy/.to",
-                          dst=dst))
+                          dst=dst, domain=in_range))
             # copy_ into a tensor of this layout, from a replicated source of another dtype
             out.append(Op(f"copy_ into, from {_short(src)}", lambda x, s: x.copy_(s), (dst,),
-                          others=lambda x, s=src: [_values(x.shape, s, 7)], family="copy_ into",
-                          dst=src))
-            # copy_ from a source of this layout into a destination of another dtype
+                          others=lambda x, s=src: [_castable(_values(x.shape, s, 7), x.dtype)],
+                          family="copy_ into", dst=src))
             # copy_ from a source of this layout into a zero destination of another dtype
             out.append(Op(f"copy_ from, into {_short(dst)}", lambda x, d: d.copy_(x), (src,),
                           others=lambda x, d=dst: [torch.zeros(x.shape, dtype=d)], family="copy_ from",
-                          dst=dst))
+                          dst=dst, domain=in_range))
     return out
+
+
+def _castable(values: torch.Tensor, dst: torch.dtype) -> torch.Tensor:
+    """``values``, made exactly representable in ``dst`` when a float goes to an integer dtype
+    (an out-of-range float-to-integer cast is undefined, so the plain op would give no reference).
+    The pieces of a ``Partial`` input built from them still take any value."""
+    if values.dtype.is_floating_point and not dst.is_floating_point:
+        return values.abs().clamp(max=100).round()
+    return values
 
 
 def _foreach(name: str, inplace: bool) -> Op:
@@ -320,6 +331,8 @@ class Auditor:
     def _inputs(self, case: Case) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with self.mode.disable():
             x = _values(case.shape, case.dtype, zlib.crc32(case.id.encode()) % 1000)
+            if case.op.domain is not None:
+                x = case.op.domain(x)
             others = list(case.op.others(x)) if case.op.others else []
         return x, others
 
