@@ -22,12 +22,19 @@ Each case is one of:
 
 * ``right``: the DTensor result (every rank's ``full_tensor()``, and each local
   shard's shape against its spec) equals the plain op on the full tensor, bit
-  for bit (within a tolerance for float reductions, whose order differs);
+  for bit (within a few epsilons for float reductions and float add/sub with a
+  ``Partial`` input, whose pieces round on their own);
 * ``raises``: DTensor refused the case with an exception (a clear refusal);
 * ``wrong``: the op returned and the result differs: silently wrong;
 * ``n/a``: not a case: the plain op raises on the full tensor, or the input
   layout cannot hold the value exactly (``Partial(avg)`` of integers, ``Partial``
   of ``bool``).
+
+Float-to-integer casts run on full values the target dtype holds (an out-of-range
+cast is undefined); the pieces of a ``Partial`` input still take any value.
+
+Cases run in one process, in table order, so a sharding decision cached for one
+case (the cache key of ``view(dtype)``) is seen by the next, as in a program.
 
 Random ops have no reference value; a random case is right when the output has
 the plain op's shape and dtype, is not ``Partial``, every rank sees the same full
