@@ -1,7 +1,7 @@
 """Turning "this op would communicate" into a clear error, on request.
 
-The rules in this package prefer a correct redistribution over a wrong local
-result (e.g. ``view(dtype)`` on a ``Partial`` input all-reduces first).  Code
+Some rules reduce a ``Partial`` input first rather than return a wrong local
+result (``copy_``/``_to_copy`` through a cast that does not commute).  Code
 that must not communicate (an optimizer step that is supposed to be purely
 local) wraps itself in :func:`forbid_implicit_communication`; any implicit
 redistribution that moves data then raises :class:`ImplicitCommunicationError`

@@ -22,6 +22,9 @@ Invariants kept by :class:`Registry`:
   (then the foreign entry is left alone and a warning names it).
 * A rule whose ``needed`` check says this torch already has the fix is not
   written (:meth:`Registry.not_needed` lists it).
+* A handler rule with a ``device_type`` acts on meshes of that device type only: its op's
+  ``_custom_op_handlers`` entry is a :class:`DeviceHandlers`, which runs torch's own entry (or
+  torch's path, :func:`_compat.dispatch_as_torch`) for every other mesh.
 * The only state is ``Registry._saved`` / ``Registry._written`` /
   ``Registry._report`` / ``Registry._not_needed``; all are empty whenever
   nothing is installed.
@@ -40,7 +43,7 @@ from torch._ops import OpOverload
 from qstate.dtensor_rules import _compat
 
 
-__all__ = ["InstalledOverride", "Registry", "Rule"]
+__all__ = ["DeviceHandlers", "InstalledOverride", "Registry", "Rule"]
 
 RuleForm = Literal["strategy", "single_dim", "handler"]
 
@@ -69,7 +72,8 @@ class Rule:
     * ``"single_dim"``: ``impl(original_info) -> _SingleDimStrategyInfo`` wraps
       torch's single-dim strategy (the rule is skipped if torch has none);
     * ``"handler"``: ``impl(op_call, args, kwargs)`` into
-      ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op).
+      ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op); with a
+      ``device_type``, only for DTensors on meshes of that device type (:class:`DeviceHandlers`).
     """
 
     op: OpOverload
@@ -80,6 +84,36 @@ class Rule:
     #: whether this torch still lacks the fix (a check of torch's own rule, :mod:`._probe`);
     #: :meth:`Registry.install` skips the rule when it answers False
     needed: Callable[[], bool] = _always
+    #: handler rules: the mesh device type the fix is for (None: every mesh)
+    device_type: str | None = None
+
+
+def _mesh_device_type(args: tuple, kwargs: dict) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    for arg in (*args, *kwargs.values()):
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, DTensor):
+                return t.device_mesh.device_type
+    return None
+
+
+class DeviceHandlers:
+    """A ``_custom_op_handlers`` entry keyed by mesh device type: ``handlers[device_type]`` for a
+    call whose first DTensor lives on a mesh of that type, ``fallback`` (torch's own entry) for any
+    other call; without a fallback, torch's path (:func:`_compat.dispatch_as_torch`)."""
+
+    def __init__(self, handlers: dict[str, Callable[..., Any]], fallback: Callable[..., Any] | None) -> None:
+        self.handlers = handlers
+        self.fallback = fallback
+
+    def __call__(self, op: OpOverload, args: tuple, kwargs: dict) -> Any:
+        handler = self.handlers.get(_mesh_device_type(args, kwargs))  # type: ignore[arg-type]
+        if handler is not None:
+            return handler(op, args, kwargs)
+        if self.fallback is not None:
+            return self.fallback(op, args, kwargs)
+        return _compat.dispatch_as_torch(op, args, kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +124,8 @@ class InstalledOverride:
     table: str
     action: Literal["added", "replaced", "removed"]
     reason: str
+    #: the mesh device type the entry acts on (None: every mesh)
+    device_type: str | None = None
 
 
 class Registry:
@@ -130,7 +166,7 @@ class Registry:
             table[op] = value
             action = "added" if self._saved[key] is _MISSING else "replaced"
         self._written[key] = value
-        self._report.append(InstalledOverride(str(op), name, action, rule.reason))
+        self._report.append(InstalledOverride(str(op), name, action, rule.reason, rule.device_type))
 
     def _apply(self, rule: Rule) -> None:
         op = rule.op
@@ -149,8 +185,16 @@ class Registry:
             self._write(_SINGLE_DIM, op, rule.impl(original), rule)
             if rule.schema_info is not None:
                 self._write(_SINGLE_DIM_SCHEMA_INFO, op, rule.schema_info, rule)
-        elif rule.form == "handler":
+        elif rule.form == "handler" and rule.device_type is None:
             self._write(_HANDLERS, op, rule.impl, rule)
+        elif rule.form == "handler":
+            table = self._table(_HANDLERS)
+            current = None if table is None else table.get(op)
+            if isinstance(current, DeviceHandlers) and self._written.get((_HANDLERS, op)) is current:
+                current.handlers[rule.device_type] = rule.impl
+                self._report.append(InstalledOverride(str(op), _HANDLERS, "replaced", rule.reason, rule.device_type))
+            else:
+                self._write(_HANDLERS, op, DeviceHandlers({rule.device_type: rule.impl}, current), rule)
         else:  # pragma: no cover - guarded by the Literal type
             raise ValueError(f"unknown rule form {rule.form!r}")
 

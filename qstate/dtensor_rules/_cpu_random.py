@@ -1,0 +1,109 @@
+"""Random ops on CPU meshes: per-shard seeds (the series' CPU RNG tracker, at run time).
+
+DTensor gives random ops an RNG tracker only on meshes whose device can set an offset of a
+counter-based generator (CUDA-like); on a CPU mesh each rank runs the plain op on its shard, so
+ranks seeded alike draw the same numbers on every shard. Here, for each call of an op in
+``OpDispatcher._random_ops`` on a CPU mesh:
+
+1. every rank draws one 64-bit key from the generator (the user's ``generator=`` if passed, else
+   the default CPU generator): ``torch.randint(-2**63, 2**63 - 1, (), dtype=torch.int64)``;
+2. runs torch's local op on the default CPU generator seeded with :func:`shard_seed` of the key
+   and its shard's linear index (``_calc_shard_info`` / ``_calc_shard_linear_idx``, as the offset
+   tracker numbers shards);
+3. restores the default generator to its state after the draw.
+
+Distinct shards draw independent numbers, replicas agree, every rank's generator advances by one
+draw, and no collective is issued. Meshes of other device types keep torch's path untouched (the
+handlers are keyed by device type, :class:`~qstate.dtensor_rules._registry.DeviceHandlers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from qstate import _random
+from qstate.dtensor_rules import _compat, _probe
+from qstate.dtensor_rules._registry import Rule
+
+__all__ = ["RULES", "cpu_random_handler", "shard_seed"]
+
+
+def shard_seed(key: int, shard_index: int) -> int:
+    """The seed of shard ``shard_index`` for a call whose key is ``key``: splitmix64's output for
+    ``key + (shard_index + 1) * GAMMA``, halved into ``manual_seed``'s range ``[0, 2**63)``."""
+    return _random.mix(key + (shard_index + 1) * _random.GAMMA) >> 1
+
+
+def _draw_key(generator: torch.Generator | None) -> torch.Tensor:
+    gen = torch.default_generator if generator is None else generator
+    return torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64, generator=gen)
+
+
+@_compat.run_per_rank
+def _seeded_state(spec: Any, coordinate: Any, key: torch.Tensor) -> torch.Tensor:
+    """Per rank: the state of a CPU generator seeded for this rank's shard."""
+    from torch.distributed.tensor._random import _calc_shard_info, _calc_shard_linear_idx
+
+    index = int(_calc_shard_linear_idx(*_calc_shard_info(list(coordinate), spec)))
+    return torch.Generator().manual_seed(shard_seed(int(key), index)).get_state()
+
+
+@contextlib.contextmanager
+def _shard_seeds(args: tuple, op_info: Any) -> Iterator[None]:
+    """Around torch's local op: per-shard seeds for the shards of ``args[0]`` (the DTensor whose spec
+    torch's RNG tracker reads)."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    spec = args[0]._spec
+    generator = op_info.local_kwargs.get("generator")
+    coordinate = spec.mesh.get_coordinate()
+    tracker = dtensor_random._rng_tracker
+    if (coordinate is None or args[0]._local_tensor.is_meta
+            or (tracker is not None and not tracker.distribute_region_enabled)):
+        yield
+        return
+    if generator is None:  # per rank (per simulated rank under LocalTensorMode)
+        key = _draw_key(None)
+    else:  # one object, shared by simulated ranks: one draw
+        with _compat.local_tensor_mode_disabled():
+            key = _draw_key(generator)
+    rng = _compat.cpu_rng_states()
+    after_draw = rng.get_rng_state()
+    rng.set_rng_state(_seeded_state(spec, coordinate, key))
+    try:
+        yield
+    finally:
+        rng.set_rng_state(after_draw)
+
+
+def cpu_random_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """A random op on a CPU mesh: torch's path, its local op on per-shard seeds."""
+    return _compat.dispatch_as_torch(op, args, kwargs, _shard_seeds)
+
+
+@_probe.checked
+def _cpu_meshes_lack_rng() -> bool:
+    """Whether torch leaves CPU meshes out of its RNG tracking (``is_rng_supported_mesh``)."""
+    import warnings
+
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return not is_rng_supported_mesh(_probe.mesh())
+
+
+def _random_ops() -> list[torch._ops.OpOverload]:
+    return sorted(_compat.dispatcher()._random_ops, key=str)
+
+
+RULES: tuple[Rule, ...] = tuple(
+    Rule(op=op, form="handler", impl=cpu_random_handler, needed=_cpu_meshes_lack_rng, device_type="cpu",
+         reason="random op on a CPU mesh: per-shard seeds splitmix64(key, shard index), as on CUDA meshes "
+                "distinct shards draw distinct numbers (torch drew identical shards)")
+    for op in _random_ops()
+)
