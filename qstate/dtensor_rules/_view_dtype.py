@@ -23,9 +23,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, StrategyType
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from qstate.dtensor_rules import _compat, _probe
+from qstate.dtensor_rules import _probe
 from qstate.dtensor_rules._dtypes import is_integer
-from qstate.dtensor_rules._placements import is_shard_like, local_range, mesh_coordinates, mesh_dims_sharding
+from qstate.dtensor_rules._placements import local_range, mesh_coordinates, mesh_dims_sharding
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "view_commutes_with_reduction", "view_dtype_strategy"]

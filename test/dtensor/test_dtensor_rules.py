@@ -611,8 +611,8 @@ def test_random_without_a_rule_keeps_torch_error() -> None:
 @pytest.mark.parametrize("name", ["_foreach_addcdiv_", "_foreach_addcmul_", "_foreach_addcdiv", "_foreach_addcmul"])
 @pytest.mark.parametrize("placements", [(Shard(0),), (Replicate(),)], ids=str)
 def test_foreach_with_a_tensor_of_scalars(name: str, placements) -> None:
-    from torch.distributed.tensor.experimental import implicit_replication
-
+    """The four ``.Tensor`` overloads equal plain torch with no collective; a plain ``scalars`` needs no
+    ``implicit_replication()`` (it is read on the host, as the kernels read it)."""
     op = getattr(torch, name)
     h = harness()
     fulls = [[random_tensor((7, 3), torch.float32, 10 * k + i, finite=True) + (3.0 if k == 2 else 0.0)
@@ -625,7 +625,7 @@ def test_foreach_with_a_tensor_of_scalars(name: str, placements) -> None:
     with h.simulate():
         mesh = h.mesh((4,))
         lists = [[make_dtensor(t, placements, mesh) for t in ts] for ts in fulls]
-        with implicit_replication(), CommDebugMode() as comm:
+        with CommDebugMode() as comm:
             out = op(*lists, scalars)
         got = [t.full_tensor()._local_tensors[0] for t in (lists[0] if name.endswith("_") else out)]
     assert comm.get_total_counts() == 0
@@ -633,7 +633,37 @@ def test_foreach_with_a_tensor_of_scalars(name: str, placements) -> None:
         assert torch.equal(g, e)
 
 
+class TestForeachScalarsRefusals(expecttest.TestCase):
+    def test_the_kernels_checks_hold(self) -> None:
+        h = harness()
+        ones = torch.ones(8)
+        errors = []
+        with h.simulate():
+            lists = [[make_dtensor(ones, (Shard(0),), h.mesh((4,))) for _ in range(2)] for _ in range(3)]
+            for scalars in (torch.ones(3), torch.tensor(1.0)):
+                with pytest.raises(RuntimeError) as e:
+                    torch._foreach_addcdiv_(*lists, scalars)
+                errors.append(str(e.value))
+        self.assertExpectedInline("\n".join(errors), """""")
+
+
 # ================================================================ registry
+class TestForeachScalarsRefusals(expecttest.TestCase):
+    def test_the_kernels_checks_hold(self) -> None:
+        h = harness()
+        ones = torch.ones(8)
+        errors = []
+        with h.simulate():
+            lists = [[make_dtensor(ones, (Shard(0),), h.mesh((4,))) for _ in range(2)] for _ in range(3)]
+            for scalars in (torch.ones(3), torch.tensor(1.0)):
+                with pytest.raises(RuntimeError) as e:
+                    torch._foreach_addcdiv_(*lists, scalars)
+                errors.append(str(e.value))
+        self.assertExpectedInline("\n".join(errors), """\
+Expected length of scalars to match input of length 2 but got 3 instead.
+Expected packed scalar Tensor to be of dimension 1. Got 0 instead.""")
+
+
 # ================================================================ registry
 def _dispatcher() -> Any:
     """The ``OpDispatcher`` DTensor dispatches through (torch's; the tables the rules write)."""
