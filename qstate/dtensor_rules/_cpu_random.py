@@ -13,13 +13,17 @@ ranks seeded alike draw the same numbers on every shard. Here, for each call of 
 3. restores the default generator to its state after the draw.
 
 Distinct shards draw independent numbers, replicas agree, every rank's generator advances by one
-draw, and no collective is issued. Meshes of other device types keep torch's path untouched (the
-handlers are keyed by device type, :class:`~qstate.dtensor_rules._registry.DeviceHandlers`).
+draw, and no collective is issued per op. Like torch's CUDA tracker when it is created, the first
+such op in the process (while DTensor has no RNG tracker) sets every rank's CPU generator to rank
+0's state (one broadcast over the default group), warning when they differed. Meshes of other
+device types keep torch's path untouched (the handlers are keyed by device type,
+:class:`~qstate.dtensor_rules._registry.DeviceHandlers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +34,19 @@ from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "cpu_random_handler", "shard_seed"]
+
+#: torch's text, on torch's logger, for the same event (``OffsetBasedRNGTracker``'s state sync)
+_RNG_STATE_SYNC_WARNING = (
+    "DTensor is synchronizing RNG states of every rank with the state from rank 0. "
+    "This behavior is deprecated. "
+    "Please call `torch.manual_seed()` on every rank that participates in SPMD DTensor Operations with "
+    "the same seed. If using Pipeline Parallelism, each pipeline state would use a different seed, "
+    "but all ranks belonging to one pipeline stage would use the same seed."
+)
+_LOGGER = logging.getLogger("torch.distributed.tensor._random")
+
+#: whether the CPU generators were synchronized (once per process, as torch creates its tracker once)
+_synced = False
 
 
 def shard_seed(key: int, shard_index: int) -> int:
@@ -52,6 +69,28 @@ def _seeded_state(spec: Any, coordinate: Any, key: torch.Tensor) -> torch.Tensor
     return torch.Generator().manual_seed(shard_seed(int(key), index)).get_state()
 
 
+@_compat.run_per_rank
+def _warn_if_differs(state: torch.Tensor, synced: torch.Tensor) -> None:
+    if not torch.equal(state, synced):
+        _LOGGER.warning(_RNG_STATE_SYNC_WARNING)
+
+
+def _sync_once(rng: Any) -> None:
+    """Every rank's CPU generator set to rank 0's state, the first time (not while tracing)."""
+    global _synced
+    from torch.distributed.tensor import _random as dtensor_random
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    if _synced or dtensor_random._rng_tracker is not None or _are_we_tracing():
+        return
+    state = rng.get_rng_state()
+    synced = state.clone()
+    torch.distributed.broadcast(synced, 0)
+    _warn_if_differs(state, synced)
+    rng.set_rng_state(synced)
+    _synced = True
+
+
 @contextlib.contextmanager
 def _shard_seeds(args: tuple, op_info: Any) -> Iterator[None]:
     """Around torch's local op: per-shard seeds for the shards of ``args[0]`` (the DTensor whose spec
@@ -66,12 +105,13 @@ def _shard_seeds(args: tuple, op_info: Any) -> Iterator[None]:
             or (tracker is not None and not tracker.distribute_region_enabled)):
         yield
         return
+    rng = _compat.cpu_rng_states()
+    _sync_once(rng)
     if generator is None:  # per rank (per simulated rank under LocalTensorMode)
         key = _draw_key(None)
     else:  # one object, shared by simulated ranks: one draw
         with _compat.local_tensor_mode_disabled():
             key = _draw_key(generator)
-    rng = _compat.cpu_rng_states()
     after_draw = rng.get_rng_state()
     rng.set_rng_state(_seeded_state(spec, coordinate, key))
     try:

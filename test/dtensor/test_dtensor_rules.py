@@ -12,6 +12,8 @@ The opt-in rules (:func:`qstate.dtensor_rules.install`) are installed for this m
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 import subprocess
@@ -578,6 +580,44 @@ def test_cpu_random_ops_differ_across_shards_and_agree_on_replicas() -> None:
     assert not torch.equal(first, second)
     assert torch.equal(shards[0], shards[1]) and torch.equal(shards[2], shards[3])
     assert not torch.equal(shards[0], shards[2])
+
+
+@contextlib.contextmanager
+def _logged(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records ``name``'s logger emits inside the block (torch's loggers do not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_the_first_cpu_random_op_syncs_rank_0s_state_and_warns(monkeypatch) -> None:
+    """Like torch's tracker when it is created: the first op sets every rank's CPU generator to rank 0's
+    state (one broadcast), with torch's warning where they differed; later ops do not sync."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    from qstate.dtensor_rules import _compat, _cpu_random
+
+    monkeypatch.setattr(_cpu_random, "_synced", False)
+    h = harness()
+    zeros = torch.zeros(8)
+    states = {r: torch.Generator().manual_seed(r).get_state() for r in range(4)}  # differing ranks
+    with h.simulate():
+        _compat.cpu_rng_states().set_rng_state(LocalTensor(states))
+        d = make_dtensor(zeros, (Replicate(),), h.mesh((4,)))
+        with _logged("torch.distributed.tensor._random") as records, CommDebugMode() as comm:
+            first = torch.rand_like(d).to_local()
+            second = torch.rand_like(d).to_local()
+    assert comm.get_total_counts() == 1
+    assert _cpu_random._RNG_STATE_SYNC_WARNING in [r.getMessage() for r in records]
+    for r in range(1, 4):  # replicas agree once synced
+        assert torch.equal(first._local_tensors[r], first._local_tensors[0])
+        assert torch.equal(second._local_tensors[r], second._local_tensors[0])
 
 
 def test_random_handlers_act_on_cpu_meshes_only() -> None:
