@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,17 +92,14 @@ def _sync_once(rng: Any) -> None:
 
 
 @contextlib.contextmanager
-def _shard_seeds(args: tuple, op_info: Any) -> Iterator[None]:
-    """Around torch's local op: per-shard seeds for the shards of ``args[0]`` (the DTensor whose spec
-    torch's RNG tracker reads)."""
+def _shard_seeds(spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+    """The default CPU generator seeded for this rank's shard of ``spec`` (per simulated rank under
+    ``LocalTensorMode``), and restored to its state after the key draw on exit."""
     from torch.distributed.tensor import _random as dtensor_random
 
-    spec = args[0]._spec
-    generator = op_info.local_kwargs.get("generator")
     coordinate = spec.mesh.get_coordinate()
     tracker = dtensor_random._rng_tracker
-    if (coordinate is None or args[0]._local_tensor.is_meta
-            or (tracker is not None and not tracker.distribute_region_enabled)):
+    if coordinate is None or (tracker is not None and not tracker.distribute_region_enabled):
         yield
         return
     rng = _compat.cpu_rng_states()
@@ -120,9 +117,17 @@ def _shard_seeds(args: tuple, op_info: Any) -> Iterator[None]:
         rng.set_rng_state(after_draw)
 
 
+def _around_local_op(args: tuple, op_info: Any) -> Any:
+    """Per-shard seeds around torch's local op, for the shards of ``args[0]`` (the DTensor whose spec
+    torch's RNG tracker reads); none for meta tensors, as torch's tracker."""
+    if args[0]._local_tensor.is_meta:
+        return contextlib.nullcontext()
+    return _shard_seeds(args[0]._spec, op_info.local_kwargs.get("generator"))
+
+
 def cpu_random_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """A random op on a CPU mesh: torch's path, its local op on per-shard seeds."""
-    return _compat.dispatch_as_torch(op, args, kwargs, _shard_seeds)
+    return _compat.dispatch_as_torch(op, args, kwargs, _around_local_op)
 
 
 @_probe.checked
@@ -137,6 +142,66 @@ def _cpu_meshes_lack_rng() -> bool:
         return not is_rng_supported_mesh(_probe.mesh())
 
 
+def supported_on_cpu(original: Callable[..., bool]) -> Callable[..., bool]:
+    """``is_rng_supported_mesh``: True for CPU meshes too."""
+
+    def is_rng_supported_mesh(device_mesh: Any) -> bool:
+        return device_mesh.device_type == "cpu" or original(device_mesh)
+
+    return is_rng_supported_mesh
+
+
+def seeded_on_cpu(original: Callable[..., None]) -> Callable[..., None]:
+    """``torch.distributed.tensor._random.manual_seed`` on a CPU mesh: ``torch.manual_seed(seed)`` on
+    every rank of the mesh, and no later state sync (torch creates its tracker here, unsynced)."""
+
+    def manual_seed(seed: int, device_mesh: Any) -> None:
+        global _synced
+        if device_mesh.device_type != "cpu":
+            return original(seed, device_mesh)
+        _synced = True
+        if device_mesh.get_coordinate() is None:
+            raise RuntimeError(
+                "manual_seed requires the current rank to be a part of the device mesh "
+                "otherwise DTensor RNG state on the rank will not be initialized and "
+                "the behavior of DTensor random ops is undefined.")
+        torch.manual_seed(seed)
+
+    return manual_seed
+
+
+def factories_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_dtensor_init_helper`` (``torch.distributed.tensor.rand``/``randn``) on a CPU mesh: the local
+    tensor drawn on per-shard seeds, as random ops are."""
+
+    def _dtensor_init_helper(init_op: Any, size: torch.Size, device_mesh: Any = None, placements: Any = None,
+                             **kwargs: Any) -> Any:
+        from torch.distributed.device_mesh import _mesh_resources
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = device_mesh or _mesh_resources.get_current_mesh()
+        if init_op not in (torch.rand, torch.randn) or mesh.device_type != "cpu":
+            return original(init_op, size, device_mesh, placements, **kwargs)
+        placements = tuple(placements or (Replicate(),) * mesh.ndim)
+        if mesh.ndim != len(placements):
+            raise AssertionError("mesh dimension does not match the length of placements")
+        if kwargs["layout"] != torch.strided:
+            raise AssertionError("layout value not supported!")
+        kwargs["device"] = "cpu"
+        stride = torch._prims_common.make_contiguous_strides_for(size)
+        local_shape, _ = compute_local_shape_and_global_offset(size, mesh, placements)
+        meta = TensorMeta(size, stride, kwargs.get("dtype") or torch.get_default_dtype())
+        spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+        with _shard_seeds(spec):
+            local = init_op(local_shape, **kwargs)
+        spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(size, stride, local.dtype))
+        return DTensor(local, spec, requires_grad=kwargs["requires_grad"])
+
+    return _dtensor_init_helper
+
+
 def _random_ops() -> list[torch._ops.OpOverload]:
     return sorted(_compat.dispatcher()._random_ops, key=str)
 
@@ -146,4 +211,15 @@ RULES: tuple[Rule, ...] = tuple(
          reason="random op on a CPU mesh: per-shard seeds splitmix64(key, shard index), as on CUDA meshes "
                 "distinct shards draw distinct numbers (torch drew identical shards)")
     for op in _random_ops()
+) + tuple(
+    Rule(op=name, form="function", impl=impl, needed=_cpu_meshes_lack_rng, device_type="cpu", module=module,
+         reason=reason)
+    for module, name, impl, reason in (
+        ("torch.distributed.tensor._random", "is_rng_supported_mesh", supported_on_cpu,
+         "CPU meshes have DTensor RNG support (per-shard seeds)"),
+        ("torch.distributed.tensor._random", "manual_seed", seeded_on_cpu,
+         "manual_seed on a CPU mesh seeds every rank's CPU generator"),
+        ("torch.distributed.tensor._api", "_dtensor_init_helper", factories_on_cpu,
+         "torch.distributed.tensor.rand/randn on a CPU mesh: per-shard seeds"),
+    )
 )

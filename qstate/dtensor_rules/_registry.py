@@ -33,11 +33,13 @@ Invariants kept by :class:`Registry`:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from torch._ops import OpOverload
 
 from qstate.dtensor_rules import _compat
@@ -45,7 +47,7 @@ from qstate.dtensor_rules import _compat
 
 __all__ = ["DeviceHandlers", "InstalledOverride", "Registry", "Rule"]
 
-RuleForm = Literal["strategy", "single_dim", "handler"]
+RuleForm = Literal["strategy", "single_dim", "handler", "function"]
 
 # table names, as attributes of ShardingPropagator (or OpDispatcher for handlers)
 _STRATEGY = "op_strategy_funcs"
@@ -70,13 +72,15 @@ class Rule:
     * ``"strategy"``: ``impl(op_schema) -> OpStrategy`` into ``op_strategy_funcs``
       (and the op is removed from the single-dim table, which would win);
     * ``"single_dim"``: ``impl(original_info) -> _SingleDimStrategyInfo`` wraps
-      torch's single-dim strategy (the rule is skipped if torch has none);
+      torch's single-dim strategy (``install()`` raises if torch has none);
     * ``"handler"``: ``impl(op_call, args, kwargs)`` into
       ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op); with a
-      ``device_type``, only for DTensors on meshes of that device type (:class:`DeviceHandlers`).
+      ``device_type``, only for DTensors on meshes of that device type (:class:`DeviceHandlers`);
+    * ``"function"``: ``impl(original) -> function`` replaces the function ``op`` (a name) of the
+      DTensor module ``module``, where the series changes a function rather than a table.
     """
 
-    op: OpOverload
+    op: Any  # OpOverload; a function's name for ``"function"`` rules
     form: RuleForm
     impl: Callable[..., Any]
     reason: str
@@ -84,8 +88,11 @@ class Rule:
     #: whether this torch still lacks the fix (a check of torch's own rule, :mod:`._probe`);
     #: :meth:`Registry.install` skips the rule when it answers False
     needed: Callable[[], bool] = _always
-    #: handler rules: the mesh device type the fix is for (None: every mesh)
+    #: the mesh device type the fix is for (None: every mesh); handler rules route by it, function
+    #: rules hold it in ``impl``
     device_type: str | None = None
+    #: function rules: the module whose attribute ``op`` is replaced
+    module: str | None = None
 
 
 def _mesh_device_type(args: tuple, kwargs: dict) -> str | None:
@@ -145,6 +152,8 @@ class Registry:
     # ------------------------------------------------------------------ tables
     @staticmethod
     def _table(name: str) -> dict[OpOverload, Any] | None:
+        if name.startswith("torch."):  # a module's namespace (function rules)
+            return vars(importlib.import_module(name))
         owner = _compat.dispatcher() if name == _HANDLERS else _compat.propagator()
         table = getattr(owner, name, None)
         return table if isinstance(table, dict) else None
@@ -180,8 +189,9 @@ class Registry:
         elif rule.form == "single_dim":
             table = self._table(_SINGLE_DIM)
             original = None if table is None else table.get(op)
-            if original is None:
-                return
+            if original is None:  # the check said torch lacks the fix, but there is no rule to amend
+                raise RuntimeError(f"qstate.dtensor_rules: torch {torch.__version__} has no single-dim strategy "
+                                   f"for {op} to amend ({rule.reason}); nothing installed")
             self._write(_SINGLE_DIM, op, rule.impl(original), rule)
             if rule.schema_info is not None:
                 self._write(_SINGLE_DIM_SCHEMA_INFO, op, rule.schema_info, rule)
@@ -195,6 +205,8 @@ class Registry:
                 self._report.append(InstalledOverride(str(op), _HANDLERS, "replaced", rule.reason, rule.device_type))
             else:
                 self._write(_HANDLERS, op, DeviceHandlers({rule.device_type: rule.impl}, current), rule)
+        elif rule.form == "function":
+            self._write(rule.module, op, rule.impl(self._table(rule.module)[op]), rule)
         else:  # pragma: no cover - guarded by the Literal type
             raise ValueError(f"unknown rule form {rule.form!r}")
 

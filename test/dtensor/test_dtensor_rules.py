@@ -567,6 +567,44 @@ def test_cpu_random_ops_draw_the_series_numbers(name: str, mesh_shape, placement
         assert torch.equal(got[r][1], torch.rand(3)), r
 
 
+@pytest.mark.parametrize("mesh_shape,placements", RANDOM_LAYOUTS, ids=str)
+@pytest.mark.parametrize("factory", ["rand", "randn"])
+def test_cpu_random_factories_draw_the_series_numbers(factory: str, mesh_shape, placements) -> None:
+    """``torch.distributed.tensor.rand``/``randn`` on a CPU mesh (torch raised there): the same scheme."""
+    import torch.distributed.tensor as dt
+
+    h = harness()
+    torch.manual_seed(13)
+    with h.simulate():
+        mesh = h.mesh(mesh_shape)
+        out = getattr(dt, factory)((6, 5), device_mesh=mesh, placements=placements)
+        got = {r: out.to_local()._local_tensors[r] for r in range(4)}
+    assert out.shape == (6, 5) and out.placements == placements
+    full = torch.empty(6, 5)
+    for r in range(4):
+        torch.manual_seed(13)
+        key = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
+        local, index = _local_reference(full, mesh_shape, placements, rank_coordinate(mesh, r))
+        torch.manual_seed(splitmix64(key, index) >> 1)
+        assert torch.equal(got[r], getattr(torch, factory)(local.shape)), r
+
+
+def test_cpu_meshes_report_rng_support_and_seed_like_torch_manual_seed() -> None:
+    """``is_rng_supported_mesh`` answers True for CPU meshes, and DTensor's ``manual_seed`` on one seeds
+    every rank's CPU generator as ``torch.manual_seed`` does (torch warned and did nothing)."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    h = harness()
+    with h.simulate():
+        mesh = h.mesh((4,))
+        assert dtensor_random.is_rng_supported_mesh(mesh)
+        dtensor_random.manual_seed(21, mesh)
+        drawn = torch.rand(3)
+    torch.manual_seed(21)
+    expected = torch.rand(3)
+    assert all(torch.equal(drawn._local_tensors[r], expected) for r in range(4))
+
+
 def test_cpu_random_ops_differ_across_shards_and_agree_on_replicas() -> None:
     h = harness()
     zeros = torch.zeros(8, 4)
@@ -634,6 +672,23 @@ def test_random_handlers_act_on_cpu_meshes_only() -> None:
     random_entries = [o for o in rules.installed() if o.op in {str(op) for op in random_ops}]
     assert {o.device_type for o in random_entries} == {"cpu"}
     assert {o.table for o in random_entries} == {"_custom_op_handlers"}
+    # the functions the series changes: each keeps torch's answer for any other device type
+    from torch.distributed.tensor import _random as dtensor_random
+
+    class _Mesh:
+        device_type = "cuda"
+
+    original = next(o for o in rules.installed() if o.op == "is_rng_supported_mesh")
+    assert original.device_type == "cpu"
+    assert dtensor_random.is_rng_supported_mesh(_Mesh()) == _torch_is_rng_supported_mesh(_Mesh())
+
+
+def _torch_is_rng_supported_mesh(mesh: Any) -> bool:
+    """torch's own answer (the function install() replaced)."""
+    from torch.distributed.device_mesh import _get_device_handle
+
+    handle = _get_device_handle(mesh.device_type)
+    return bool(handle and hasattr(handle, "set_rng_state"))
 
 
 def test_random_without_a_rule_keeps_torch_error() -> None:
@@ -806,6 +861,9 @@ aten.randint_like.low_dtype_out _custom_op_handlers added cpu
 aten.randn.default _custom_op_handlers added cpu
 aten.randn_like.default _custom_op_handlers added cpu
 aten.uniform_.default _custom_op_handlers added cpu
+is_rng_supported_mesh torch.distributed.tensor._random replaced cpu
+manual_seed torch.distributed.tensor._random replaced cpu
+_dtensor_init_helper torch.distributed.tensor._api replaced cpu
 aten._foreach_addcdiv_.Tensor _custom_op_handlers added
 aten._foreach_addcmul_.Tensor _custom_op_handlers added
 aten._foreach_addcdiv.Tensor _custom_op_handlers added
