@@ -35,20 +35,17 @@ installed. From a ``sitecustomize``: ``import qstate.dtensor_rules as r; r.insta
 from __future__ import annotations
 
 from qstate.dtensor_rules._catalog import QSTATE_OP_RULES, RULES
-from qstate.dtensor_rules._comm import forbid_implicit_communication, ImplicitCommunicationError
 from qstate.dtensor_rules._fused_ops import flat_starts, LayoutMismatch
 from qstate.dtensor_rules._positional import positional_randint_like
 from qstate.dtensor_rules._registry import InstalledOverride, Registry, Rule
 
 __all__ = [
-    "ImplicitCommunicationError",
     "InstalledOverride",
     "LayoutMismatch",
     "QSTATE_OP_RULES",
     "RULES",
     "Rule",
     "flat_starts",
-    "forbid_implicit_communication",
     "install",
     "installed",
     "is_installed",
