@@ -323,6 +323,65 @@ def test_copy_into_uint8_partial_max_wraps_like_torch() -> None:
     assert src.to(torch.uint8)[0] == 0
 
 
+# ============================================= qstate's own ops (no opt-in)
+SR_LAYOUTS = [
+    ((4,), (Replicate(),)),
+    ((4,), (Shard(0),)),
+    ((4,), (Shard(1),)),
+    ((2, 2), (Shard(0), Shard(1))),
+    ((2, 2), (Replicate(), Shard(0))),
+    ((2, 2), (Shard(1), Shard(1))),
+    ((2, 2), (Shard(0), Replicate())),
+]
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (7, 10), (3, 2)], ids=str)
+@pytest.mark.parametrize("mesh_shape,placements", SR_LAYOUTS + [((4,), (Partial("sum"),))], ids=str)
+def test_qstate_stochastic_rounding_needs_no_opt_in_rule(torch_rules: None, shape, mesh_shape, placements) -> None:
+    """What the optimizers run on DTensors (``key_draws`` + ``stochastic_round_bf16``) gives the
+    unsharded bits shard by shard under torch's own rules: only qstate's ops' rules are needed."""
+    from qstate._random import key_draws
+    from qstate.optim import stochastic_round_bf16 as qstate_round
+
+    h = harness()
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(5)) * 3
+    key = 0x9E3779B97F4A7C15
+    want = qstate_round(full, key_draws(key, full))
+    partial = isinstance(placements[0], Partial)
+    with h.simulate():
+        mesh = h.mesh(mesh_shape)
+        d = make_dtensor(full, placements, mesh)
+        with CommDebugMode() as comm:
+            out = qstate_round(d, key_draws(key, d))
+        assert comm.get_total_counts() == (1 if partial else 0), comm.get_comm_counts()
+        assert out.placements == ((Replicate(),) if partial else placements)
+        whole = out.full_tensor()._local_tensors[0]
+        assert torch.equal(whole.view(torch.int16), want.view(torch.int16))
+
+
+
+@pytest.mark.parametrize("mesh_shape,placements", SR_LAYOUTS + [((4,), (Partial("sum"),))], ids=str)
+def test_positional_randint_like_shards_are_slices_of_the_full_tensor(torch_rules: None, mesh_shape,
+                                                                      placements) -> None:
+    """The optimizers' draws without explicit ones: each shard holds its slice of what the full tensor
+    draws from the same generator state (bits splitmix64(key, flat index), written out), no collective."""
+    h = harness()
+    full = torch.zeros(7, 10, dtype=torch.int32)
+    g = torch.Generator().manual_seed(77)
+    key = int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(77)))
+    want = torch.tensor([(splitmix64(key, i) & ((1 << 63) - 1)) % 1000 - 5 for i in range(70)],
+                        dtype=torch.int32).view(7, 10)
+    assert torch.equal(rules.positional_randint_like(full, -5, 995, generator=torch.Generator().manual_seed(77)),
+                       want)
+    with h.simulate():
+        d = make_dtensor(full, placements, h.mesh(mesh_shape))
+        with CommDebugMode() as comm:
+            out = rules.positional_randint_like(d, -5, 995, generator=g)
+        whole = out.full_tensor()._local_tensors[0]
+    assert comm.get_total_counts() == 0
+    assert torch.equal(whole, want)
+
+
 # ============================================================= Partial ops
 FILL_DTYPES = [torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 
