@@ -29,17 +29,18 @@ def cast_commutes_with_reduction(reduce_op: str, src: torch.dtype, dst: torch.dt
     """Whether ranks may cast their ``Partial(reduce_op)`` addends from ``src`` to ``dst`` before the
     reduction.
 
-    * ``max``/``min``: through monotone casts, which never reorder values: float rounding, integer to
-      float, float to integer, and integer to integer where ``dst`` holds every ``src`` value (a
-      narrowing integer cast wraps: ``uint8(max(256, 255)) == 0``, ``max(uint8(256), 255) == 255``);
+    * ``max``/``min``: through monotone casts, which never reorder values: float rounding, integer or
+      ``bool`` to float, float to integer, ``bool`` to integer, and integer to integer where ``dst``
+      holds every ``src`` value (a narrowing integer cast wraps: ``uint8(max(256, 255)) == 0``,
+      ``max(uint8(256), 255) == 255``);
     * ``sum``: through integer wrap-around (to an integer dtype no wider: exact mod ``2**k``) and
       through widening float casts; ``avg``: through widening float casts;
-    * every other cast (to or from ``bool`` or a complex dtype, integer and float mixed for a sum,
-      narrowing floats for a sum) reduces first.
+    * every other cast (to ``bool``, to or from a complex dtype, from ``bool`` for a sum, integer and
+      float mixed for a sum, narrowing floats for a sum) reduces first.
     """
     if src == dst:
         return True
-    if torch.bool in (src, dst) or src.is_complex or dst.is_complex:
+    if dst == torch.bool or src.is_complex or dst.is_complex:
         return False
     both_integer, both_float = is_integer(src) and is_integer(dst), src.is_floating_point and dst.is_floating_point
     if reduce_op in ("max", "min"):

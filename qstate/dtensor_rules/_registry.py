@@ -76,8 +76,9 @@ class Rule:
     * ``"handler"``: ``impl(op_call, args, kwargs)`` into
       ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op); with a
       ``device_type``, only for DTensors on meshes of that device type (:class:`DeviceHandlers`);
-    * ``"function"``: ``impl(original) -> function`` replaces the function ``op`` (a name) of the
-      DTensor module ``module``, where the series changes a function rather than a table.
+    * ``"function"``: ``impl(original) -> function`` replaces the attribute ``op`` (a name) of
+      ``module`` (a DTensor module or class, by its dotted path), where the series changes a
+      function rather than a table.
     """
 
     op: Any  # OpOverload; a function's name for ``"function"`` rules
@@ -91,8 +92,42 @@ class Rule:
     #: the mesh device type the fix is for (None: every mesh); handler rules route by it, function
     #: rules hold it in ``impl``
     device_type: str | None = None
-    #: function rules: the module whose attribute ``op`` is replaced
+    #: function rules: the dotted path of the module or class whose attribute ``op`` is replaced
     module: str | None = None
+
+
+class _Attributes:
+    """An object's own attributes as the mapping :class:`Registry` writes tables through."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return vars(self.owner).get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        return vars(self.owner)[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
+
+    def __delitem__(self, name: str) -> None:
+        delattr(self.owner, name)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        if name in vars(self.owner):
+            delattr(self.owner, name)
+        return value
+
+
+def _owner(path: str) -> Any:
+    """The module or class at the dotted ``path``."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
 
 
 def _mesh_device_type(args: tuple, kwargs: dict) -> str | None:
@@ -152,8 +187,8 @@ class Registry:
     # ------------------------------------------------------------------ tables
     @staticmethod
     def _table(name: str) -> dict[OpOverload, Any] | None:
-        if name.startswith("torch."):  # a module's namespace (function rules)
-            return vars(importlib.import_module(name))
+        if name.startswith("torch."):  # a module's or class's attributes (function rules)
+            return _Attributes(_owner(name))  # type: ignore[return-value]
         owner = _compat.dispatcher() if name == _HANDLERS else _compat.propagator()
         table = getattr(owner, name, None)
         return table if isinstance(table, dict) else None

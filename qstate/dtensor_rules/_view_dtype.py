@@ -41,25 +41,31 @@ def view_commutes_with_reduction(p: Placement, src: torch.dtype, dst: torch.dtyp
                           and src.itemsize == dst.itemsize)
 
 
-def _last_dim_shards_view(spec: DTensorSpec, dst: torch.dtype) -> bool:
-    """Whether every rank's local view is its ``torch.chunk`` shard of the output's last dim."""
+def _last_dim_error(spec: DTensorSpec, dst: torch.dtype) -> str | None:
+    """Why the local views of ``spec``'s last-dim shards are not the output's ``torch.chunk`` shards
+    (None: they are)."""
     meta = spec.tensor_meta
     src_size, dst_size, ndim = meta.dtype.itemsize, dst.itemsize, len(meta.shape)
     mesh_dims = mesh_dims_sharding(spec, ndim - 1) if ndim else []
     if src_size == dst_size or not mesh_dims:
-        return True
+        return None
+    layout = f"a DTensor with placements {spec.placements} and shape {tuple(meta.shape)} from {meta.dtype} to {dst}"
     if any(not isinstance(spec.placements[m], Shard) for m in mesh_dims):
-        return False  # a _StridedShard interleaves the last dim
+        return (f"Cannot view {layout}: a _StridedShard last dim has no contiguous byte ranges to reinterpret. "
+                f"Please redistribute the tensor before this operation.")
     n_in = meta.shape[-1]
     n_out = n_in * src_size // dst_size
-    for coordinate in mesh_coordinates(spec.mesh.shape):
-        off_in, len_in = local_range(n_in, spec.mesh.shape, coordinate, mesh_dims)
-        off_out, len_out = local_range(n_out, spec.mesh.shape, coordinate, mesh_dims)
-        if (off_in * src_size, len_in * src_size) != (off_out * dst_size, len_out * dst_size):
-            return False
-        if dst_size > src_size and len_in == 0 and ndim > 1:
-            return False  # a contiguous [.., 0] local has stride 1 on dim -2, which a wider dtype rejects
-    return True
+    ranges = [(local_range(n_in, spec.mesh.shape, c, mesh_dims), local_range(n_out, spec.mesh.shape, c, mesh_dims))
+              for c in mesh_coordinates(spec.mesh.shape)]
+    if any((a * src_size, n * src_size) != (b * dst_size, m * dst_size) for (a, n), (b, m) in ranges):
+        return (f"Cannot view {layout}: the local last-dim shards are not (or, for a symbolic width, cannot be "
+                f"shown to be) the torch.chunk shards of the result. Please redistribute the tensor before this "
+                f"operation.")
+    if dst_size > src_size and ndim > 1 and any(n == 0 for (_, n), _ in ranges):
+        # a contiguous [.., 0] local has stride 1 on dim -2, which a wider dtype rejects
+        return (f"Cannot view {layout}: some rank holds an empty last-dim shard, which cannot be viewed as a "
+                f"wider dtype. Please redistribute the tensor before this operation.")
+    return None
 
 
 def view_dtype_strategy(op_schema: OpSchema) -> StrategyType:
@@ -72,14 +78,12 @@ def view_dtype_strategy(op_schema: OpSchema) -> StrategyType:
         for p in spec.placements:
             if isinstance(p, Partial) and not view_commutes_with_reduction(p, meta.dtype, dst):
                 raise RuntimeError(
-                    f"Cannot view a {p!r} DTensor of dtype {meta.dtype} as {dst}: the bits of a pending "
-                    f"reduction are not the reduction of the bits. Please redistribute the tensor (e.g. to "
-                    f"Replicate) before this operation.")
-        if not _last_dim_shards_view(spec, dst):
-            raise RuntimeError(
-                f"Cannot view a DTensor with placements {spec.placements} and shape {tuple(meta.shape)} as "
-                f"{dst}: the local last-dim shards of {meta.dtype} are not the torch.chunk shards of the "
-                f"{dst} result. Please redistribute the tensor before this operation.")
+                    f"Cannot view a {p} DTensor of dtype {meta.dtype} as {dst}: the bits of a pending reduction "
+                    f"are not the reduction of the bits. Please redistribute the tensor (e.g. to Replicate) "
+                    f"before this operation.")
+        error = _last_dim_error(spec, dst)
+        if error is not None:
+            raise RuntimeError(error)
         strategies.append(OpSpec(output_specs=DTensorSpec(spec.mesh, spec.placements), input_specs=(spec,),
                                  redistribute_cost=[[0.0] * len(input_strategy.strategies)]))
     return OpStrategy(strategies)

@@ -44,7 +44,7 @@ from dtensor_harness import (
 from rounding_keys import splitmix64
 from qstate.dtensor_rules._dtypes import cast_commutes_with_reduction
 from qstate.dtensor_rules._registry import DeviceHandlers
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import distribute_tensor, DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -249,12 +249,12 @@ class TestViewDtypeRefusals(expecttest.TestCase):
 
     def test_partial(self) -> None:
         self.assertExpectedInline(self._error(torch.ones(4, 6), (Partial("sum"),), torch.int32), """\
-Cannot view a Partial(sum) DTensor of dtype torch.float32 as torch.int32: the bits of a pending reduction are not the reduction of the bits. Please redistribute the tensor (e.g. to Replicate) before this operation.""")
+Cannot view a P(sum) DTensor of dtype torch.float32 as torch.int32: the bits of a pending reduction are not the reduction of the bits. Please redistribute the tensor (e.g. to Replicate) before this operation.""")
 
     def test_uneven_last_dim_shard(self) -> None:
         # f32 -> i16 of a [4, 10] Shard(1): widths [3, 3, 3, 1] x 4 bytes != chunk(20) widths [5, 5, 5, 5] x 2
         self.assertExpectedInline(self._error(torch.ones(4, 10), (Shard(1),), torch.int16), """\
-Cannot view a DTensor with placements (Shard(dim=1),) and shape (4, 10) as torch.int16: the local last-dim shards of torch.float32 are not the torch.chunk shards of the torch.int16 result. Please redistribute the tensor before this operation.""")
+Cannot view a DTensor with placements (Shard(dim=1),) and shape (4, 10) from torch.float32 to torch.int16: the local last-dim shards are not (or, for a symbolic width, cannot be shown to be) the torch.chunk shards of the result. Please redistribute the tensor before this operation.""")
 
 
 # ======================================================== casts on Partial
@@ -528,6 +528,40 @@ def test_integer_additive_property(case: tuple[Any, ...]) -> None:
         # and torch 2.13 cannot bring a Replicate operand to an uneven Shard self
         return
     assert result.ok, result.error
+
+
+@pytest.mark.parametrize("reduce_op,keeps", [("sum", True), ("max", False), ("min", False)])
+@pytest.mark.parametrize("op", ["add", "sub", "add_"])
+def test_integer_partial_plus_replicate(op: str, reduce_op: str, keeps: bool) -> None:
+    """The series' example: int8 rows [127 - r, r] pending plus a replicated one equal plain torch (wrapping),
+    keep the dtype, and keep ``Partial(sum)`` (the replicated operand partitioned exactly) but not max/min."""
+    h = harness()
+    full = torch.tensor([[127, 0], [126, 1], [125, 2], [124, 3]], dtype=torch.int8)
+    one = torch.ones(2, dtype=torch.int8)
+    fn = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "add_": lambda a, b: a.add_(b)}[op]
+    reduced = {"sum": full.sum(0, dtype=torch.int8), "max": full.amax(0), "min": full.amin(0)}[reduce_op]
+    with h.simulate():
+        mesh = h.mesh((4,))
+        pending = make_dtensor(reduced, (Partial(reduce_op),), mesh)
+        if op == "add_" and not keeps:
+            with pytest.raises(RuntimeError, match="in-place operations that require placement changes"):
+                fn(pending, make_dtensor(one, (Replicate(),), mesh))
+            return
+        out = fn(pending, make_dtensor(one, (Replicate(),), mesh))
+        assert out.dtype == torch.int8
+        assert out.placements == ((Partial(reduce_op),) if keeps else (Replicate(),))
+        assert torch.equal(out.full_tensor()._local_tensors[0], fn(reduced.clone(), one))
+
+
+def test_replicate_to_integer_partial_sum_is_exact() -> None:
+    """``Replicate -> Partial(sum)`` of an integer tensor: the first rank keeps the value, the others zeros."""
+    h = harness()
+    v = torch.tensor([7, -3, 127], dtype=torch.int8)
+    with h.simulate():
+        p = distribute_tensor(v, h.mesh((4,)), [Partial("sum")])
+        locals_ = p.to_local()._local_tensors
+        assert p.dtype == torch.int8 and torch.equal(p.full_tensor()._local_tensors[0], v)
+    assert torch.equal(locals_[0], v) and all(not locals_[r].any() for r in (1, 2, 3))
 
 
 @st.composite
@@ -936,7 +970,12 @@ aten.add_.Tensor op_single_dim_strategy_funcs replaced
 aten.add.out op_single_dim_strategy_funcs replaced
 aten.sub.Tensor op_single_dim_strategy_funcs replaced
 aten.sub_.Tensor op_single_dim_strategy_funcs replaced
-aten.sub.out op_single_dim_strategy_funcs replaced""")
+aten.sub.out op_single_dim_strategy_funcs replaced
+aten._foreach_add.List op_single_dim_strategy_funcs replaced
+aten._foreach_add_.List op_single_dim_strategy_funcs replaced
+aten._foreach_sub.List op_single_dim_strategy_funcs replaced
+aten._foreach_sub_.List op_single_dim_strategy_funcs replaced
+_partition_value torch.distributed.tensor.placement_types.Partial replaced""")
 
 
 def test_toggling_clears_the_sharding_caches() -> None:
