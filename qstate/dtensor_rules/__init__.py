@@ -11,16 +11,14 @@ Two sets of rules, as data, installed at different times:
 * :data:`RULES`, the upstream patch series (``upstream/``, ``docs/upstream.md``) at run time, with
   the same op coverage and semantics, opt-in (:func:`install`), one module per patch:
 
-  ====  =====================  =========================================================
-  0001  :mod:`._view_dtype`    ``view(dtype)``: a local view or an error, never a copy
-  0002  :mod:`._fill_and_copy` ``fill_`` on ``Partial``: ``Replicate``
-  0003  :mod:`._fill_and_copy` ``_to_copy``: ``Partial`` only through casts that commute
-  0004  :mod:`._fill_and_copy` ``copy_`` into ``Partial``, the same answer
-  0005  :mod:`._cpu_random`    random ops on CPU meshes: per-shard seeds (CPU meshes only)
-  0006  :mod:`._foreach_scalars` ``_foreach_addcdiv``/``addcmul`` ``.Tensor``
-  0007  :mod:`._shift_ops`     ``>>``/``<<``, which torch returns unchanged
-  0008  :mod:`._integer_add`   integer ``add``/``sub`` on ``Partial``: reduced first
-  ====  =====================  =========================================================
+  * 0001 :mod:`._view_dtype`: ``view(dtype)``, a local view or an error, never a copy;
+  * 0002-0004 :mod:`._fill_and_copy`: ``fill_`` on ``Partial`` gives ``Replicate``; ``_to_copy`` and
+    ``copy_`` keep ``Partial`` only through casts that commute with its reduction;
+  * 0005 :mod:`._cpu_random`: random ops and factories on CPU meshes, per-shard seeds (CPU meshes
+    only);
+  * 0006 :mod:`._foreach_scalars`: ``_foreach_addcdiv``/``addcmul`` ``.Tensor``;
+  * 0007 :mod:`._shift_ops`: ``>>``/``<<``, which torch returns unchanged;
+  * 0008 :mod:`._integer_add`: integer ``add``/``sub``, only the exact ``Partial(sum)``.
 
   Where a cast meets a pending reduction, every rule asks :mod:`._dtypes`.
 
