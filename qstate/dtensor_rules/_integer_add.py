@@ -3,9 +3,11 @@
 torch's ``Partial`` rules of add/sub hold for real numbers. Integer add/sub wraps around mod
 ``2**bits``, where only the sum rule holds: wrap-around breaks ``max(a_i) + c == max(a_i + c)``,
 and an integer ``avg`` truncates. With integer operands of one dtype (not ``bool``), the one rule
-left is ``Partial(sum)`` for every operand; with integer operands of several dtypes (a pending sum
-of the narrower one wraps at its own width) or ``bool``, none; with a floating or complex operand
-torch's rules stay. Every other ``Partial`` input is reduced first (an in-place op on such a
+left is ``Partial(sum)`` for every operand; with floating or complex operands only, torch's rules
+stay; with any other mix, none: integer operands of several dtypes (a pending sum of the narrower
+one wraps at its own width), ``bool``, and an integer operand promoted to a floating result (the
+cast of a pending integer sum does not commute with it, :mod:`._dtypes`; patch 0008 as drafted
+keeps torch's rules there and lists the case as not covered). Every other ``Partial`` input is reduced first (an in-place op on such a
 ``Partial`` self raises, as for any rule that would change self's placement).
 
 A ``Replicate`` operand brought to ``Partial(sum)`` is partitioned as ``v / n`` by torch, which is no
@@ -38,7 +40,7 @@ def integer_partial_rows(original: Any) -> Any:
     def rows(op: Any, args_schema: Any, kwargs_schema: Any) -> list[list[Any]]:
         strategies = original.func(op, args_schema, kwargs_schema)
         dtypes = {a.dtype for a in args_schema if isinstance(a, TensorMeta)}
-        if any(d.is_floating_point or d.is_complex for d in dtypes):
+        if all(d.is_floating_point or d.is_complex for d in dtypes):
             return strategies
         exact = len(dtypes) == 1 and torch.bool not in dtypes
         return [row for row in strategies if not any(isinstance(p, Partial) for p in row)

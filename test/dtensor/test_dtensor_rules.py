@@ -553,6 +553,29 @@ def test_integer_partial_plus_replicate(op: str, reduce_op: str, keeps: bool) ->
         assert torch.equal(out.full_tensor()._local_tensors[0], fn(reduced.clone(), one))
 
 
+def test_integer_partial_promoted_to_float_reduces_first() -> None:
+    """int32 ``Partial(sum)`` rows that wrap, plus a float32 ``Replicate``: the pending sum is reduced (and
+    wraps) before the cast, as plain torch does (kept as Partial it would add the casts unwrapped)."""
+    h = harness()
+    full = torch.full((4, 3), 2**30, dtype=torch.int32)  # sums to 2**32: wraps to 0
+    other = torch.tensor([0.5, 1.5, -2.0])
+    reduced = full.sum(0, dtype=torch.int32)
+    with h.simulate():
+        mesh = h.mesh((4,))
+        pending = DTensor.from_local(_rows(full), mesh, [Partial("sum")], run_check=False)
+        out = pending + make_dtensor(other, (Replicate(),), mesh)
+        whole = out.full_tensor()._local_tensors[0]
+    assert out.placements == (Replicate(),)
+    assert torch.equal(whole, reduced + other)
+
+
+def _rows(full: torch.Tensor) -> Any:
+    """A LocalTensor whose rank ``r`` holds row ``r`` of ``full``."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    return LocalTensor({r: full[r].clone() for r in range(full.shape[0])})
+
+
 def test_replicate_to_integer_partial_sum_is_exact() -> None:
     """``Replicate -> Partial(sum)`` of an integer tensor: the first rank keeps the value, the others zeros."""
     h = harness()
