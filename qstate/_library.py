@@ -29,7 +29,7 @@ so that package can name the op without importing the optimizers.
 * ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
   index in ``self`` (for a DTensor: in the full tensor, computed on each rank
   from its shard's place, no collectives; kernel: :mod:`qstate._random`,
-  DTensor handler: :mod:`qstate.dtensor_rules._random_ops`). Stochastic
+  DTensor handler: :mod:`qstate.dtensor_rules._positional`). Stochastic
   rounding hashes it with a key, so every path and layout draws alike.
 * ``copy_with_draws_(self, src, draws)``: ``self.copy_(src)``, where a quantized
   ``self`` that rounds stochastically draws by position: ``draws`` holds each

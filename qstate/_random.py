@@ -2,7 +2,7 @@
 
 Every path draws from these functions or implements them bit for bit: the eager math and the
 inductor kernels call them, the C kernel (``optim/csrc/update_kernel.c``) and the DTensor rules'
-positional stream (``dtensor_rules/_random_ops.py``: the same steps on int64 tensors) follow them.
+positional stream (``dtensor_rules/_positional.py``: the same steps on int64 tensors) follow them.
 
 * **splitmix64** (Steele, Lea and Flood, 2014): the state advances by :data:`GAMMA` (mod
   ``2**64``) per output; output ``i`` (from 0) of the stream seeded with ``key`` is

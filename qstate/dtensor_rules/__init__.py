@@ -1,85 +1,54 @@
-"""DTensor sharding rules: qstate's own operators, and opt-in fixes of torch's.
+"""DTensor sharding rules: qstate's own operators, and the upstream series applied at run time.
 
-``qstate`` keeps optimizer state in tensor subclasses whose bits are
-manipulated with ``view(dtype)``, integer masks and stochastic rounding, and
-expects DTensor / FSDP2 to run those ops shard by shard.  This package holds
-two sets of rules, as data, installed at different times:
+Two sets of rules, as data, installed at different times:
 
-* :data:`QSTATE_OP_RULES`, the rules of qstate's own operators, registered by
-  ``import qstate`` (:func:`register_qstate_ops`).  Every entry is keyed by a
-  ``qstate::`` op, so none can change the result of a torch op:
+* :data:`QSTATE_OP_RULES`, the rules of qstate's own operators, registered by ``import qstate``
+  (:func:`register_qstate_ops`). Every entry is keyed by a ``qstate::`` op, so none changes the
+  result of a torch op: :mod:`._fused_ops` (``fused_update``, shard by shard; :func:`flat_starts`),
+  :mod:`._positional` (``flat_index_like``; :func:`positional_randint_like`) and
+  :mod:`._rounding_ops` (``stochastic_round_bf16``, ``copy_with_draws_``).
 
-  * :mod:`._fused_ops`    ``qstate::fused_update`` (the optimizers' update):
-    shard by shard when param, grad and states share one layout; its
-    ``starts`` (:func:`flat_starts`) give each shard its place in the full
-    parameter
-  * :mod:`._random_ops`   ``qstate::flat_index_like``: each shard's global
-    element indices, which stochastic rounding hashes
-  * :mod:`._rounding_ops` ``qstate::stochastic_round_bf16``: shard by shard,
-    ``Partial`` reduced first; ``qstate::copy_with_draws_``: in place, shard by
-    shard, ``src`` and ``draws`` brought to ``self``'s layout
+* :data:`RULES`, the upstream patch series (``upstream/``, ``docs/upstream.md``) at run time, with
+  the same op coverage and semantics, opt-in (:func:`install`), one module per patch:
 
-  qstate's states and optimizers need nothing else: on DTensors they call
-  these ops and otherwise only aten ops whose torch rules are right for the
-  layouts they use (``torch.bitwise_right_shift``, not ``>>``).
+  * 0001 :mod:`._view_dtype`: ``view(dtype)``, a local view or an error, never a copy;
+  * 0002-0004 :mod:`._fill_and_copy`: ``fill_`` on ``Partial`` gives ``Replicate``; ``_to_copy`` and
+    ``copy_`` keep ``Partial`` only through casts that commute with its reduction;
+  * 0005 :mod:`._cpu_random`: random ops and factories on CPU meshes, per-shard seeds (CPU meshes
+    only);
+  * 0006 :mod:`._foreach_scalars`: ``_foreach_addcdiv``/``addcmul`` ``.Tensor``;
+  * 0007 :mod:`._shift_ops`: ``>>``/``<<``, which torch returns unchanged;
+  * 0008 :mod:`._integer_add`: integer ``add``/``sub``, only the exact ``Partial(sum)``.
 
-* :data:`RULES`, replacements of torch's rules for aten ops: the upstream
-  patch series (``upstream/``, ``docs/upstream.md``), applied at run time,
-  with the fixes not yet written as patches.  Opt-in (:func:`install`): they
-  change what torch's ops return on every DTensor, not only qstate's.
+  Where a cast meets a pending reduction, every rule asks :mod:`._dtypes`.
 
-  * :mod:`._view_ops`    ``aten.view.dtype``
-  * :mod:`._random_ops`  ``randint_like`` / ``rand_like`` / ``random_``: values
-    are a hash of (seed, global element index), so shards are independent,
-    reproducible and layout-invariant
-  * :mod:`._partial_ops` ``fill_``, ``copy_`` and integer ``add``/``sub`` on
-    ``Partial`` inputs
-  * :mod:`._shift_ops`   ``>>`` / ``<<`` (``aten.__rshift__`` / ``__lshift__``),
-    which torch returns unchanged
-
-Importing this package changes nothing.  :func:`install` writes :data:`RULES`
-into DTensor's tables, :func:`uninstall` puts torch's entries back,
-:func:`installed` lists what is overridden and why.  Each rule carries a
-feature check (:mod:`._probe`: torch's own sharding decision for the case the
-rule fixes, on a CPU mesh that needs no process group): on a torch that
-already has a fix, :func:`install` leaves torch's rule for it in place and
-:func:`not_needed` lists it.
+Importing this package changes nothing. :func:`install` writes :data:`RULES` into DTensor's tables,
+:func:`uninstall` puts torch's entries back, :func:`installed` lists what is overridden and why. Each
+rule carries a feature check (:mod:`._probe`: torch's own decision for the case the patch fixes, on
+a CPU mesh that needs no process group): on a torch that has the patch, :func:`install` leaves
+torch's rule in place and :func:`not_needed` lists it; a check that cannot run raises and nothing is
+installed. From a ``sitecustomize``: ``import qstate.dtensor_rules as r; r.install()``.
 """
 
 from __future__ import annotations
 
 from qstate.dtensor_rules._catalog import QSTATE_OP_RULES, RULES
-from qstate.dtensor_rules._fused_ops import LayoutMismatch, flat_starts
-from qstate.dtensor_rules._comm import (
-    forbid_implicit_communication,
-    ImplicitCommunicationError,
-)
-from qstate.dtensor_rules._random_ops import (
-    positional_rand_like,
-    positional_randint_like,
-    positional_random_,
-)
+from qstate.dtensor_rules._fused_ops import flat_starts, LayoutMismatch
+from qstate.dtensor_rules._positional import positional_randint_like
 from qstate.dtensor_rules._registry import InstalledOverride, Registry, Rule
-from qstate.dtensor_rules._view_ops import UnrepresentableShardWarning
-
 
 __all__ = [
-    "ImplicitCommunicationError",
     "InstalledOverride",
     "LayoutMismatch",
+    "QSTATE_OP_RULES",
     "RULES",
     "Rule",
-    "UnrepresentableShardWarning",
     "flat_starts",
-    "forbid_implicit_communication",
-    "QSTATE_OP_RULES",
     "install",
     "installed",
     "is_installed",
     "not_needed",
-    "positional_rand_like",
     "positional_randint_like",
-    "positional_random_",
     "register_qstate_ops",
     "uninstall",
 ]
@@ -90,31 +59,22 @@ _REGISTRY = Registry(RULES)
 
 def register_qstate_ops() -> None:
     """Write :data:`QSTATE_OP_RULES` into DTensor's tables (idempotent; ``import qstate`` calls it).
-
-    Every entry is keyed by a ``qstate::`` op, so no torch op changes; :func:`uninstall` leaves
-    them in place."""
+    :func:`uninstall` leaves them in place."""
     _QSTATE_OPS.install()
 
 
 def install() -> None:
-    """Apply the upstream patch series (``upstream/``) at run time: write the :data:`RULES` this
-    torch needs into DTensor's tables and clear its caches (idempotent).
+    """Apply the upstream patch series at run time: write the :data:`RULES` this torch needs into
+    DTensor's tables and clear its caches (idempotent).
 
-    A rule whose fix this torch already has (its ``needed`` check reads torch's own rule) is not
-    written; :func:`not_needed` lists those.
-
-    Opt-in: this changes what torch's own ops return on any DTensor, qstate's or not
-    (``view(dtype)``, random ops, ``fill_``/``copy_``/integer ``add``/``sub`` on ``Partial``,
-    ``>>``/``<<``); ``import qstate`` does not call it, and qstate's states and optimizers do not
-    need it.  Install before starting threads that run DTensor ops (torch
-    2.13 caches sharding decisions per thread)."""
+    Opt-in: it changes what torch's own ops return on any DTensor, qstate's or not; ``import qstate``
+    does not call it, and qstate's states and optimizers do not need it. Install before starting
+    threads that run DTensor ops (torch caches sharding decisions per thread)."""
     _REGISTRY.install()
 
 
 def uninstall() -> None:
-    """Restore torch's entries that :func:`install` replaced and clear the caches (idempotent).
-
-    The rules of qstate's own operators (:func:`register_qstate_ops`) stay."""
+    """Restore torch's entries that :func:`install` replaced and clear the caches (idempotent)."""
     _REGISTRY.uninstall()
 
 

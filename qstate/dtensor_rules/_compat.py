@@ -22,19 +22,15 @@ from torch.torch_version import TorchVersion
 __all__ = [
     "TORCH_VERSION",
     "clear_sharding_caches",
+    "cpu_rng_states",
+    "dispatch_as_torch",
     "dispatcher",
     "propagator",
-    "is_local_tensor",
     "local_tensor_mode_disabled",
     "run_per_rank",
 ]
 
 TORCH_VERSION = TorchVersion(torch.__version__)
-
-# torch's own aten.view.dtype strategy: none up to 2.6, in op_strategy_funcs (without schema info,
-# next to clone/detach in _tensor_ops.py) in 2.7-2.13, in op_single_dim_strategy_funcs in 2.14;
-# installing qstate's rule replaces, adds or removes accordingly (``installed()`` says which).
-
 
 def dispatcher() -> Any:
     """The process-wide ``OpDispatcher`` DTensor dispatches through."""
@@ -70,15 +66,6 @@ def clear_sharding_caches() -> None:
         meta_cache.cache_clear()
 
 
-def is_local_tensor(t: Any) -> bool:
-    """Whether ``t`` is a ``LocalTensor`` (the shards of all simulated ranks at once)."""
-    try:
-        from torch.distributed._local_tensor import LocalTensor
-    except ImportError:  # no LocalTensor simulation in this torch
-        return False
-    return isinstance(t, LocalTensor)
-
-
 @contextlib.contextmanager
 def local_tensor_mode_disabled() -> Iterator[None]:
     """Run plain (single-rank) tensor code even under ``LocalTensorMode``."""
@@ -101,3 +88,32 @@ def run_per_rank(fn: Callable[..., Any]) -> Callable[..., Any]:
     except ImportError:
         return fn
     return maybe_run_for_local_tensor(fn)
+
+
+def dispatch_as_torch(op: Any, args: tuple, kwargs: dict,
+                      around_local: Callable[[tuple, Any], Any] = lambda args, op_info: contextlib.nullcontext()) -> Any:
+    """Run ``op`` on DTensors through torch's own path from a ``_custom_op_handlers`` entry: the steps
+    DTensor's dispatch takes for an op without a handler (propagation, redistribution, the local op,
+    the output's wrapping), with the local op inside ``around_local(args, op_info)``."""
+    d = dispatcher()
+    op_info = d.unwrap_to_op_info(op, args, kwargs)
+    d.sharding_propagator.propagate(op_info)
+    mesh = op_info.compute_mesh
+    with around_local(args, op_info):
+        local = d._dispatch_get_local_results_slow_path(op, args, op_info)
+    schema, sharding = op_info.schema, op_info.output_sharding
+    inplace, out = schema.is_inplace_op(), schema.is_out_variant_op()
+    if sharding.output_spec is not None and not (inplace or out):  # a new output: DTensor wraps it
+        return d.wrap(local, sharding.output_spec)
+    return d._dispatch_fast_path_python_tail(op, args, kwargs, mesh, sharding, local,
+                                             mesh._is_current_rank_part_of_mesh(), inplace, out)
+
+
+def cpu_rng_states() -> Any:
+    """``get_rng_state``/``set_rng_state`` of the default CPU generator, per simulated rank under
+    ``LocalTensorMode`` (a ``LocalTensor`` of states), else the ``torch`` module's own."""
+    try:
+        from torch.distributed._local_tensor import _LocalDeviceHandle, enabled_local_tensor_mode
+    except ImportError:  # no LocalTensor simulation in this torch
+        return torch
+    return torch if enabled_local_tensor_mode() is None else _LocalDeviceHandle(torch, "cpu")

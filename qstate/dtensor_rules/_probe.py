@@ -8,8 +8,8 @@ mesh built without a backend, and look at the decision torch makes for the case 
 Invariant: a check never changes DTensor's tables or caches. A check that cannot run on this torch
 (propagation API or mesh constructor missing) raises, naming itself: ``install()`` asks every check
 before it writes anything, so it then raises with the tables unchanged rather than guess. (A
-propagation that raises for the case a rule fixes is an answer, not a failure: torch lacks the rule,
-:func:`output_placements`.)
+propagation that raises for the case a rule fixes is an answer, not a failure: :func:`propagate`
+returns the exception for the check to read.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 from qstate.dtensor_rules import _compat
 
 
-__all__ = ["checked", "has_partial", "has_rule", "mesh", "output_placements", "spec"]
+__all__ = ["checked", "has_rule", "keeps_partial", "mesh", "output_placements", "propagate", "schema_info", "spec"]
 
 #: ranks of the mesh the checks propagate on
 WORLD_SIZE = 2
@@ -54,16 +54,23 @@ def has_rule(op: torch._ops.OpOverload) -> bool:
                ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules"))
 
 
-def output_placements(op: torch._ops.OpOverload, args: tuple, kwargs: Optional[dict] = None
-                      ) -> Optional[tuple[Placement, ...]]:
-    """The placements torch's rule gives ``op``'s (first) output, or None if it has no rule for
-    these inputs (propagation raises)."""
+def propagate(op: torch._ops.OpOverload, args: tuple, kwargs: Optional[dict] = None) -> Any:
+    """torch's sharding decision for ``op`` on these specs (an ``OutputSharding``), or the exception
+    its propagation raises (torch has no rule for these inputs, or refuses them)."""
     schema = OpSchema(op, args, kwargs or {})
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = _compat.propagator().propagate_op_sharding_non_cached(schema)
-    except Exception:  # noqa: BLE001 - no rule for this case: the fix is needed
+            return _compat.propagator().propagate_op_sharding_non_cached(schema)
+    except Exception as e:  # noqa: BLE001 - an answer: torch raises for this case
+        return e
+
+
+def output_placements(op: torch._ops.OpOverload, args: tuple, kwargs: Optional[dict] = None
+                      ) -> Optional[tuple[Placement, ...]]:
+    """The placements torch's rule gives ``op``'s (first) output, or None if its propagation raises."""
+    out = propagate(op, args, kwargs)
+    if isinstance(out, Exception):
         return None
     output_spec = out.output_spec
     if isinstance(output_spec, Sequence):
@@ -71,9 +78,18 @@ def output_placements(op: torch._ops.OpOverload, args: tuple, kwargs: Optional[d
     return None if output_spec is None else tuple(output_spec.placements)
 
 
-def has_partial(placements: Optional[tuple[Placement, ...]]) -> bool:
-    """True when ``placements`` is None (no rule) or keeps a ``Partial``."""
-    return placements is None or any(isinstance(p, Partial) for p in placements)
+def keeps_partial(op: torch._ops.OpOverload, args: tuple, kwargs: Optional[dict] = None) -> bool:
+    """Whether torch's rule gives ``op``'s output a ``Partial`` placement for these inputs (False
+    where torch reduces first or raises)."""
+    placements = output_placements(op, args, kwargs)
+    return placements is not None and any(isinstance(p, Partial) for p in placements)
+
+
+def schema_info(op: torch._ops.OpOverload) -> Any:
+    """The ``RuntimeSchemaInfo`` torch's rule for ``op`` keys its sharding cache with (None: none)."""
+    prop = _compat.propagator()
+    return (prop.op_to_schema_info_for_single_dim_strategy.get(op)
+            if op in getattr(prop, "op_single_dim_strategy_funcs", {}) else prop.op_to_schema_info.get(op))
 
 
 def checked(check: Any) -> Any:

@@ -22,6 +22,9 @@ Invariants kept by :class:`Registry`:
   (then the foreign entry is left alone and a warning names it).
 * A rule whose ``needed`` check says this torch already has the fix is not
   written (:meth:`Registry.not_needed` lists it).
+* A handler rule with a ``device_type`` acts on meshes of that device type only: its op's
+  ``_custom_op_handlers`` entry is a :class:`DeviceHandlers`, which runs torch's own entry (or
+  torch's path, :func:`_compat.dispatch_as_torch`) for every other mesh.
 * The only state is ``Registry._saved`` / ``Registry._written`` /
   ``Registry._report`` / ``Registry._not_needed``; all are empty whenever
   nothing is installed.
@@ -30,19 +33,21 @@ Invariants kept by :class:`Registry`:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import torch
 from torch._ops import OpOverload
 
 from qstate.dtensor_rules import _compat
 
 
-__all__ = ["InstalledOverride", "Registry", "Rule"]
+__all__ = ["DeviceHandlers", "InstalledOverride", "Registry", "Rule"]
 
-RuleForm = Literal["strategy", "single_dim", "handler"]
+RuleForm = Literal["strategy", "single_dim", "handler", "function"]
 
 # table names, as attributes of ShardingPropagator (or OpDispatcher for handlers)
 _STRATEGY = "op_strategy_funcs"
@@ -67,12 +72,16 @@ class Rule:
     * ``"strategy"``: ``impl(op_schema) -> OpStrategy`` into ``op_strategy_funcs``
       (and the op is removed from the single-dim table, which would win);
     * ``"single_dim"``: ``impl(original_info) -> _SingleDimStrategyInfo`` wraps
-      torch's single-dim strategy (the rule is skipped if torch has none);
+      torch's single-dim strategy (``install()`` raises if torch has none);
     * ``"handler"``: ``impl(op_call, args, kwargs)`` into
-      ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op).
+      ``OpDispatcher._custom_op_handlers`` (runs instead of propagation + local op); with a
+      ``device_type``, only for DTensors on meshes of that device type (:class:`DeviceHandlers`);
+    * ``"function"``: ``impl(original) -> function`` replaces the attribute ``op`` (a name) of
+      ``module`` (a DTensor module or class, by its dotted path), where the series changes a
+      function rather than a table.
     """
 
-    op: OpOverload
+    op: Any  # OpOverload; a function's name for ``"function"`` rules
     form: RuleForm
     impl: Callable[..., Any]
     reason: str
@@ -80,6 +89,73 @@ class Rule:
     #: whether this torch still lacks the fix (a check of torch's own rule, :mod:`._probe`);
     #: :meth:`Registry.install` skips the rule when it answers False
     needed: Callable[[], bool] = _always
+    #: the mesh device type the fix is for (None: every mesh); handler rules route by it, function
+    #: rules hold it in ``impl``
+    device_type: str | None = None
+    #: function rules: the dotted path of the module or class whose attribute ``op`` is replaced
+    module: str | None = None
+
+
+class _Attributes:
+    """An object's own attributes as the mapping :class:`Registry` writes tables through."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return vars(self.owner).get(name, default)
+
+    def __getitem__(self, name: str) -> Any:
+        return vars(self.owner)[name]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
+
+    def __delitem__(self, name: str) -> None:
+        delattr(self.owner, name)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        if name in vars(self.owner):
+            delattr(self.owner, name)
+        return value
+
+
+def _owner(path: str) -> Any:
+    """The module or class at the dotted ``path``."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def _mesh_device_type(args: tuple, kwargs: dict) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    for arg in (*args, *kwargs.values()):
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, DTensor):
+                return t.device_mesh.device_type
+    return None
+
+
+class DeviceHandlers:
+    """A ``_custom_op_handlers`` entry keyed by mesh device type: ``handlers[device_type]`` for a
+    call whose first DTensor lives on a mesh of that type, ``fallback`` (torch's own entry) for any
+    other call; without a fallback, torch's path (:func:`_compat.dispatch_as_torch`)."""
+
+    def __init__(self, handlers: dict[str, Callable[..., Any]], fallback: Callable[..., Any] | None) -> None:
+        self.handlers = handlers
+        self.fallback = fallback
+
+    def __call__(self, op: OpOverload, args: tuple, kwargs: dict) -> Any:
+        handler = self.handlers.get(_mesh_device_type(args, kwargs))  # type: ignore[arg-type]
+        if handler is not None:
+            return handler(op, args, kwargs)
+        if self.fallback is not None:
+            return self.fallback(op, args, kwargs)
+        return _compat.dispatch_as_torch(op, args, kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +166,8 @@ class InstalledOverride:
     table: str
     action: Literal["added", "replaced", "removed"]
     reason: str
+    #: the mesh device type the entry acts on (None: every mesh)
+    device_type: str | None = None
 
 
 class Registry:
@@ -109,6 +187,8 @@ class Registry:
     # ------------------------------------------------------------------ tables
     @staticmethod
     def _table(name: str) -> dict[OpOverload, Any] | None:
+        if name.startswith("torch."):  # a module's or class's attributes (function rules)
+            return _Attributes(_owner(name))  # type: ignore[return-value]
         owner = _compat.dispatcher() if name == _HANDLERS else _compat.propagator()
         table = getattr(owner, name, None)
         return table if isinstance(table, dict) else None
@@ -130,7 +210,7 @@ class Registry:
             table[op] = value
             action = "added" if self._saved[key] is _MISSING else "replaced"
         self._written[key] = value
-        self._report.append(InstalledOverride(str(op), name, action, rule.reason))
+        self._report.append(InstalledOverride(str(op), name, action, rule.reason, rule.device_type))
 
     def _apply(self, rule: Rule) -> None:
         op = rule.op
@@ -144,13 +224,24 @@ class Registry:
         elif rule.form == "single_dim":
             table = self._table(_SINGLE_DIM)
             original = None if table is None else table.get(op)
-            if original is None:
-                return
+            if original is None:  # the check said torch lacks the fix, but there is no rule to amend
+                raise RuntimeError(f"qstate.dtensor_rules: torch {torch.__version__} has no single-dim strategy "
+                                   f"for {op} to amend ({rule.reason}); nothing installed")
             self._write(_SINGLE_DIM, op, rule.impl(original), rule)
             if rule.schema_info is not None:
                 self._write(_SINGLE_DIM_SCHEMA_INFO, op, rule.schema_info, rule)
-        elif rule.form == "handler":
+        elif rule.form == "handler" and rule.device_type is None:
             self._write(_HANDLERS, op, rule.impl, rule)
+        elif rule.form == "handler":
+            table = self._table(_HANDLERS)
+            current = None if table is None else table.get(op)
+            if isinstance(current, DeviceHandlers) and self._written.get((_HANDLERS, op)) is current:
+                current.handlers[rule.device_type] = rule.impl
+                self._report.append(InstalledOverride(str(op), _HANDLERS, "replaced", rule.reason, rule.device_type))
+            else:
+                self._write(_HANDLERS, op, DeviceHandlers({rule.device_type: rule.impl}, current), rule)
+        elif rule.form == "function":
+            self._write(rule.module, op, rule.impl(self._table(rule.module)[op]), rule)
         else:  # pragma: no cover - guarded by the Literal type
             raise ValueError(f"unknown rule form {rule.form!r}")
 

@@ -16,7 +16,6 @@ not its elements), and ``src`` and ``draws`` are brought to it.
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, StrategyType
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
 from torch.distributed.tensor.placement_types import Partial, Replicate

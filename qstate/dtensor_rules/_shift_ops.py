@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Replicate
 
-from qstate.dtensor_rules import _probe
+from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._registry import Rule
 
 __all__ = ["RULES", "shift_handler"]
@@ -42,11 +42,11 @@ def shift_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 
 def _taken_for_in_place(op: torch._ops.OpOverload) -> Callable[[], bool]:
-    """The ``needed`` check: does DTensor's in-place test (``OpSchema.is_inplace_op``) still take
-    ``op`` for in place?"""
+    """The ``needed`` check: does DTensor still take ``op`` for in place (``OpSchema.is_inplace_op``)
+    with no handler of its own for it?"""
     def check() -> bool:
         x = _probe.spec((4,), torch.int32, [Replicate()])
-        return OpSchema(op, (x, 1), {}).is_inplace_op()
+        return op not in _compat.dispatcher()._custom_op_handlers and OpSchema(op, (x, 1), {}).is_inplace_op()
 
     return _probe.checked(check)
 
