@@ -30,9 +30,10 @@ def cast_commutes_with_reduction(reduce_op: str, src: torch.dtype, dst: torch.dt
     reduction.
 
     * ``max``/``min``: through monotone casts, which never reorder values: float rounding, integer or
-      ``bool`` to float, float to integer, ``bool`` to integer, and integer to integer where ``dst``
-      holds every ``src`` value (a narrowing integer cast wraps: ``uint8(max(256, 255)) == 0``,
-      ``max(uint8(256), 255) == 255``);
+      ``bool`` to float, ``bool`` to integer, and integer to integer where ``dst`` holds every ``src``
+      value (a narrowing integer cast wraps: ``uint8(max(256, 255)) == 0``, ``max(uint8(256), 255)
+      == 255``); float to integer is undefined outside ``dst``'s range (``uint8(-1.0)`` is 255 on
+      x86), so it reduces first;
     * ``sum``: through integer wrap-around (to an integer dtype no wider: exact mod ``2**k``) and
       through widening float casts; ``avg``: through widening float casts;
     * every other cast (to ``bool``, to or from a complex dtype, from ``bool`` for a sum, integer and
@@ -44,7 +45,9 @@ def cast_commutes_with_reduction(reduce_op: str, src: torch.dtype, dst: torch.dt
         return False
     both_integer, both_float = is_integer(src) and is_integer(dst), src.is_floating_point and dst.is_floating_point
     if reduce_op in ("max", "min"):
-        return _holds(dst, src) if both_integer else True
+        if both_integer:
+            return _holds(dst, src)
+        return not (src.is_floating_point and is_integer(dst))
     if reduce_op == "sum" and both_integer:
         return dst.itemsize <= src.itemsize
     return reduce_op in ("sum", "avg") and both_float and _holds(dst, src)

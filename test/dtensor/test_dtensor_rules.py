@@ -293,7 +293,7 @@ def test_a_cast_said_to_commute_commutes(reduce_op: str, src: torch.dtype, dst: 
 
 @pytest.mark.parametrize("src,dst,reduce_op,keeps", [
     (torch.int32, torch.uint8, "max", False), (torch.uint8, torch.int32, "max", True),
-    (torch.float32, torch.int32, "max", True), (torch.int32, torch.float32, "sum", False),
+    (torch.float32, torch.int32, "max", False), (torch.int32, torch.float32, "sum", False),
     (torch.float32, torch.bfloat16, "sum", False), (torch.bfloat16, torch.float32, "sum", True),
     (torch.int32, torch.int8, "sum", True), (torch.int8, torch.int32, "sum", False),
     (torch.float32, torch.bool, "max", False)], ids=str)
@@ -476,9 +476,9 @@ def test_copy_between_pending_max_min_keeps_only_casts_that_commute(src_dtype, d
         result = run_case(_named(lambda a, b: a.copy_(b), "copy_"), [DArg(dst, (partial,)), DArg(src, (partial,))],
                           h.mesh((4,)), seed=0)
     if src_dtype.is_floating_point and not dst_dtype.is_floating_point:
-        # float to integer is monotone (kept); torch's own copy_ of out-of-range floats into integers is
-        # undefined: compare placements only
-        assert result.output_placements == (partial,)
+        # float to integer is undefined outside the target's range (uint8(-1.0) is 255 on x86): reduced
+        # first; torch's own copy_ of such values is undefined too, so compare placements only
+        assert result.output_placements == (Replicate(),)
         return
     assert result.ok and not result.skipped, result.error
     commutes = dst_dtype.is_floating_point or (
