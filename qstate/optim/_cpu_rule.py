@@ -282,9 +282,16 @@ def _expression(node: Node, gm: GraphModule, c_of: Callable, emitter: _Emitter) 
 
 _HELPERS = """\
 #include <math.h>
-/* inductor's max_propagate_nan / min_propagate_nan: a NaN on either side gives NaN */
-static inline float qstate_rule_max(float a, float b) { return (a != a || a > b) ? a : b; }
-static inline float qstate_rule_min(float a, float b) { return (a != a || a < b) ? a : b; }
+/* inductor's max_propagate_nan / min_propagate_nan (a NaN a, else a > b ? a : b: a NaN b gives b), in the
+ * form gcc vectorizes (a NaN test joined to the compare with || or | keeps the loop scalar) */
+static inline float qstate_rule_max(float a, float b) {
+    const float m = a > b ? a : b;
+    return a != a ? a : m;
+}
+static inline float qstate_rule_min(float a, float b) {
+    const float m = a < b ? a : b;
+    return a != a ? a : m;
+}
 """
 
 
