@@ -18,10 +18,10 @@ are loaded only where their SHA-256 is the one recorded at their build; its docs
 A missing compiler, a failing build or a cache folder others can write raises; nothing falls back
 silently.
 
-The rule: adam, lion and sgd have hand-written C in the source (``RULE_ADAM``...); every other registered
-rule's C is generated from its math (:mod:`._cpu_rule`: the inductor kernel's results bit for bit) and
-placed before the source (:func:`kernel_source`). A rule the generator does not take keeps inductor's
-kernel, which the ``qstate`` logger says (a warning with the generator's reason, once per rule and flags).
+The rule: every registered rule's C, qstate's own and others' alike, is generated from its math
+(:mod:`._cpu_rule`: the inductor kernel's results bit for bit) and placed before the source
+(:func:`kernel_source`). A rule the generator does not take keeps inductor's kernel, which the ``qstate``
+logger says (a warning with the generator's reason, once per rule and flags).
 
 Which specs it takes (:func:`supports`): a rule in C (above), CPU, every state a ``QuantizedState``
 of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
@@ -86,10 +86,6 @@ __all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _LOGGER = logging.getLogger("qstate")
-#: the rules with hand-written C in ``csrc/update_kernel.c``; every other rule's C is generated from its math
-#: (:mod:`._cpu_rule`)
-_RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
-_FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
 #: largest lcm of a spec's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
 _MAX_UNIT = 4096
 #: the row segment (work item) of a spec whose states are all plain
@@ -262,48 +258,32 @@ _C_RULES: dict = {}
 
 
 def _has_c_rule(spec) -> bool:
-    """Whether the C kernel has ``spec``'s rule in C: hand-written, or generated from its math
-    (:func:`._cpu_rule.rule_source`). A rule the generator does not take keeps inductor's kernel, which the
-    ``qstate`` logger says once per rule and flags, with the generator's reason."""
+    """Whether the C kernel has ``spec``'s rule in C, generated from its math (:func:`._cpu_rule.rule_source`).
+    A rule the generator does not take keeps inductor's kernel, which the ``qstate`` logger says once per rule
+    and flags, with the generator's reason."""
     rule = RULES.get(spec.rule)
     if rule is None:
         return False
     key = (rule, spec.flags)
     verdict = _C_RULES.get(key)
     if verdict is None:
-        if spec.rule in _RULE_MACROS:
+        try:
+            rule_source(rule, spec.flags)
             verdict = True
-        else:
-            try:
-                rule_source(rule, spec.flags)
-                verdict = True
-                _LOGGER.info("qstate CPU kernel: the update rule %r (flags %s) runs the C kernel, its C generated "
-                             "from its math", spec.rule, dict(spec.flags))
-            except UnsupportedRule as error:
-                verdict = False
-                _LOGGER.warning("%s", error)
+            _LOGGER.info("qstate CPU kernel: the update rule %r (flags %s) runs the C kernel, its C generated "
+                         "from its math", spec.rule, dict(spec.flags))
+        except UnsupportedRule as error:
+            verdict = False
+            _LOGGER.warning("%s", error)
         _C_RULES[key] = verdict
     return verdict
 
 
-def _rule_c(spec) -> str:
-    """The C of ``spec``'s rule placed before the source: its generated ``rule`` (:mod:`._cpu_rule`), or
-    nothing for a hand-written rule."""
-    if spec.rule in _RULE_MACROS:
-        return ""
-    return rule_source(RULES[spec.rule], spec.flags).code
 
 
 def _config(spec, grad_dtype: torch.dtype) -> str:
     """The ``#define`` block that configures ``update_kernel.c`` for ``spec``."""
-    flags = dict(spec.flags)
-    lines = [f"#define RULE_GENERATED {int(spec.rule not in _RULE_MACROS)}"]
-    lines += [f"#define {m} {int(m == _RULE_MACROS.get(spec.rule))}" for m in _RULE_MACROS.values()]
-    lines += [f"#define {name.upper()} {int(bool(flags.get(name, False)))}" for name in _FLAG_MACROS]
-    # the hand-written rules' scalars by name: their indexes in the hyper vector
-    if spec.rule in _RULE_MACROS:
-        lines += [f"#define H_{name.upper()} {i}" for i, name in enumerate(RULES[spec.rule].scalar_names)]
-    lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
+    lines = [f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}"]
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
     lines.append(f"#define PARAM_SR {int(spec.param_sr)}")
     lines.append(f"#define NSTATES {len(spec.states)}")
@@ -337,10 +317,9 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
 
 
 def kernel_source(spec, grad_dtype: torch.dtype) -> str:
-    """The C source of ``spec``'s kernel: the ``#define`` block (:func:`_config`), the rule's generated C if
-    it has no hand-written one (:mod:`._cpu_rule`), then ``csrc/update_kernel.c``. All of it keys the build
-    cache (:func:`._cpu_build.load`)."""
-    return _config(spec, grad_dtype) + _rule_c(spec) + _SOURCE.read_text()
+    """The C source of ``spec``'s kernel: the ``#define`` block (:func:`_config`), the rule's generated C
+    (:mod:`._cpu_rule`), then ``csrc/update_kernel.c``. All of it keys the build cache (:func:`._cpu_build.load`)."""
+    return _config(spec, grad_dtype) + rule_source(RULES[spec.rule], spec.flags).code + _SOURCE.read_text()
 
 
 def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:

@@ -297,8 +297,8 @@ static inline float qstate_rule_min(float a, float b) {
 
 def _generate(rule: UpdateRule, flags: tuple) -> RuleSource:
     emitter = _Emitter(rule.name, flags)
-    nstates = len(rule.states(dict(flags)))
     try:
+        nstates = len(rule.states(dict(flags)))
         gm = _trace(rule, flags, nstates)
     except UnsupportedRule:
         raise

@@ -1,13 +1,11 @@
 /* Fused optimizer update over quantized states (8bit, 4bit, fp8), CPU.
  *
- * Built by qstate/optim/_cpu_kernel.py, which prepends the configuration
- * (one shared object per kernel spec, never per shape):
+ * Built by qstate/optim/_cpu_kernel.py (one shared object per kernel spec, never per shape), which
+ * prepends the update rule's C, generated from its math for the spec's rule and static flags
+ * (qstate/optim/_cpu_rule.py: ``rule_consts_t``; ``rule_consts(h)``, the values of the scalars alone, once
+ * per row segment; ``rule(p, g, s, h, c)``, one element: the decoded states s[] in, the new states in s[],
+ * the new p returned), and before it this configuration:
  *
- *   RULE_GENERATED                       the update rule's C (``rule_consts_t``, ``rule_consts``,
- *                                        ``rule``) is generated from its math (qstate/optim/_cpu_rule.py)
- *                                        and placed before this source; else one of
- *   RULE_ADAM | RULE_LION | RULE_SGD     the hand-written rules below (qstate/optim/_rules.py), with
- *   DECOUPLED, AMSGRAD, MAXIMIZE, MOMENTUM, NESTEROV   the rule's static flags (0/1)
  *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
  *                                        is written rounded to nearest even, or with PARAM_SR
  *                                        stochastically: store_p_sr, from the caller's key)
@@ -131,109 +129,6 @@ static inline float load_g(grad_t v) { return bf16_to_f(v); }
 typedef float grad_t;
 static inline float load_g(grad_t v) { return v; }
 #endif
-
-/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w), as
- * (low ? a : b) + c (b - a) with the per-call constants low = |w| < 0.5 and c = low ? w : -(1 - w)
- * (lerp_form; the weights are the rule's scalars): the same bits (negation is exact), one multiply */
-typedef struct {
-    int low;
-    float c;
-} lerp_form_t;
-static inline lerp_form_t lerp_form(float w) {
-    const int low = fabsf(w) < 0.5f;
-    return (lerp_form_t){low, low ? w : -(1.0f - w)};
-}
-static inline float lerp(float a, float b, lerp_form_t f) { return (f.low ? a : b) + f.c * (b - a); }
-/* torch.minimum(torch.maximum(m, -limit), limit) (_rules) as two selects (vmaxps, vminps): a NaN m is
- * kept, as torch keeps it; a NaN limit keeps m where torch gives NaN, but then sqrt_v is NaN and so
- * is the update */
-static inline float clampf(float m, float limit) {
-    const float x = -limit > m ? -limit : m; /* max(m, -limit) as vmaxps: an unordered compare keeps m */
-    return limit < x ? limit : x;            /* min(x, limit) as vminps */
-}
-static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
-
-/* The rule's scalars are read by name: H_<NAME> is the index of ``<name>`` in the rule's
- * ``scalar_names`` (the #define block of _cpu_kernel._config), the order of the hyper vector. */
-
-/* The rule, generated or hand-written: rule_consts(h) gives the values that depend on the scalars alone
- * (once per row segment); rule(p, g, s, h, c) updates one element: p, g and the decoded states s[0 ..
- * NSTATES - 1] in, the new states in s[], the new p returned. */
-#if !RULE_GENERATED
-/* The gradient the rule follows (_rules.gradient): unscaled by grad_unscale (AMP), negated if
- * MAXIMIZE. */
-static inline float gradient(float g, const float *restrict h) {
-    g = g * h[H_GRAD_UNSCALE];
-#if MAXIMIZE
-    g = -g;
-#endif
-    return g;
-}
-
-/* f2 / f3: the lerp_form of the weights 1 - beta1 / 1 - beta2 (Adam's beta1; Lion's beta1 and beta2) */
-typedef struct {
-    lerp_form_t f2, f3;
-} rule_consts_t;
-static inline rule_consts_t rule_consts(const float *restrict h) {
-#if RULE_SGD /* no lerps */
-    (void)h;
-    return (rule_consts_t){lerp_form(0.0f), lerp_form(0.0f)};
-#else
-    return (rule_consts_t){lerp_form(1.0f - h[H_BETA1]), lerp_form(RULE_LION ? 1.0f - h[H_BETA2] : 0.0f)};
-#endif
-}
-static inline float rule(float p, float g, float *restrict s, const float *restrict h,
-                         const rule_consts_t *restrict c) {
-    const lerp_form_t f2 = c->f2, f3 = c->f3;
-    (void)f2, (void)f3;
-#if RULE_ADAM
-    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
-    g = gradient(g, h);
-#if DECOUPLED
-    p = p * (1.0f - lr * wd);
-#else
-    g = g + wd * p;
-#endif
-    float m = lerp(s[0], g, f2);
-    float v = s[1] * h[H_BETA2] + g * g * (1.0f - h[H_BETA2]);
-    s[0] = m;
-    s[1] = v;
-#if AMSGRAD
-    v = s[2] > v ? s[2] : v;
-    s[2] = v;
-#endif
-    float sqrt_v = sqrtf(v);
-    float limit = sqrt_v * h[H_M_BOUND];
-    m = clampf(m, limit);
-    float step_size = lr / h[H_BIAS_CORRECTION1];
-    float denom = sqrt_v / h[H_BIAS_CORRECTION2_SQRT] + h[H_EPS];
-    return p + (-step_size) * (m / denom);
-#elif RULE_LION
-    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
-    g = gradient(g, h);
-    p = p * (1.0f - lr * wd);
-    float direction = signf(lerp(s[0], g, f2));
-    s[0] = lerp(s[0], g, f3);
-    return p + (-lr) * direction;
-#elif RULE_SGD
-    const float lr = h[H_LR];
-    g = gradient(g, h);
-    g = g + h[H_WEIGHT_DECAY] * p;
-#if MOMENTUM
-    float buf = s[0] * h[H_BUF_KEEP] + g * h[H_GRAD_KEEP];
-    s[0] = buf;
-#if NESTEROV
-    g = g + h[H_MOMENTUM] * buf;
-#else
-    g = buf;
-#endif
-#endif
-    return p + (-lr) * g;
-#else
-#error "no rule"
-#endif
-}
-#endif /* !RULE_GENERATED */
 
 /* Chris Wellons' lowbias32: the 32-bit mix of every stochastic-rounding draw (qstate/_random.py) */
 static inline uint32_t lowbias32(uint32_t x) {
