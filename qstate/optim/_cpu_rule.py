@@ -218,7 +218,7 @@ def _c_type(node: Node, emitter: _Emitter) -> str:
     raise emitter.unsupported(f"{node.target} computing in {val.dtype} (the kernel computes in float32)")
 
 
-def _expression(node: Node, gm: GraphModule, c_of: Callable, emitter: _Emitter) -> str:
+def _expression(node: Node, c_of: Callable, emitter: _Emitter) -> str:
     """The C expression of ``node`` (an aten op of 0-dim values) from its arguments' (``c_of``)."""
     op, args, kwargs = node.target, node.args, dict(node.kwargs)
 
@@ -335,10 +335,9 @@ def _generate(rule: UpdateRule, flags: tuple) -> RuleSource:
         if node.op != "call_function":
             raise emitter.unsupported(f"a graph node {node.op} {node.target}")
         ctype = _c_type(node, emitter)
-        deps = [a for a in node.all_input_nodes]
-        scalar[node] = all(scalar[d] for d in deps)
+        scalar[node] = all(scalar[d] for d in node.all_input_nodes)
         ref = (lambda n: c_name[n]) if scalar[node] else elem_ref
-        expr = _expression(node, gm, ref, emitter)
+        expr = _expression(node, ref, emitter)
         c_name[node] = f"v{len(c_name)}"
         (const_lines if scalar[node] else elem_lines).append(
             f"    const {ctype} {c_name[node]} = {expr}; /* {node.target} */")
