@@ -1,6 +1,6 @@
 """Update rules whose C the CPU kernel generates from their math (``qstate/optim/_cpu_rule.py``).
 
-AdEMAMix (a built-in rule with no hand-written C) and Adan (a third party's rule, registered through the
+AdEMAMix (qstate's) and Adan (a third party's rule, registered through the
 public API only, ``adan_rule.py``: ``UpdateRule``, ``StateSpec``, ``register_rule``, ``QuantizedOptimizer``) run the C
 kernel, with the inductor kernel's results bit for bit (``cpu_kernel_enabled(False)`` runs inductor's), on
 8bit, 4bit, fp8 and plain float32 states, shapes whose rows end in partial blocks, and on FSDP2 against the
@@ -53,8 +53,11 @@ def _assert_same_bits(got, want, what: str) -> None:
     assert bool(same.all()), f"{what}: {int((~same).sum())} elements differ"
 
 
-def _spec_tags(before: list[str]) -> set[str]:
-    return set(_cpu_kernel.built_specs()) - set(before)
+def _assert_c_kernel_takes(rule: str, flags: dict, p: torch.Tensor, states: list, sr: bool = False) -> None:
+    """That the C kernel takes the update of ``p`` and ``states`` (not inductor's kernel: the comparisons
+    would compare inductor with itself)."""
+    spec = KernelSpec.of(rule, tuple(sorted(flags.items())), p, states, sr)
+    assert _cpu_kernel.supports(spec, p.device, p.dtype), f"the C kernel does not take {spec.tag()}"
 
 
 # ------------------------------------------------------------------ AdEMAMix through the functional form
@@ -85,21 +88,21 @@ def _run_ademamix(case: str, c_kernel: bool, steps: int = 3):
     states = [[torch.zeros_like(p, dtype=PLAIN[k[0]]) if k[0] in PLAIN else
                qstate.zeros_like(p, k[0], signed=k[1], block_size=k[2], dtype=torch.float32,
                                  rounding=k[3] if len(k) > 3 else "nearest") for p in ps] for k in kinds]
-    before = _cpu_kernel.built_specs()
+    if c_kernel:
+        _assert_c_kernel_takes("ademamix", {"maximize": False, "fast": bool(beta1)}, ps[0], [s[0] for s in states],
+                               dtype == torch.bfloat16)
     with cpu_kernel_enabled(c_kernel):
         for step in range(1, steps + 1):
             _ademamix(ps, _grads(shapes, gen, dtype), states, step, beta1=beta1,
                       stochastic_round=dtype == torch.bfloat16)
-    return ps, states, _spec_tags(before)
+    return ps, states
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in ("8bit", "fp32") else pytest.mark.exhaustive)
                                   for c in ADEMAMIX_CASES])
 def test_ademamix_c_kernel_equals_inductor_kernel_bit_for_bit(case):
-    ps, states, built = _run_ademamix(case, c_kernel=True)
-    assert any(t.startswith("ademamix_") for t in built) or any(
-        t.startswith("ademamix_") for t in _cpu_kernel.built_specs()), "the C kernel did not run"
-    ref_ps, ref_states, _ = _run_ademamix(case, c_kernel=False)
+    ps, states = _run_ademamix(case, c_kernel=True)
+    ref_ps, ref_states = _run_ademamix(case, c_kernel=False)
     for i, (p, q) in enumerate(zip(ps, ref_ps)):
         _assert_same_bits(p, q, f"{case}: param {i}")
     for k, (got, want) in enumerate(zip(states, ref_states)):
@@ -118,7 +121,7 @@ def test_ademamix_c_kernel_is_its_math_on_float32_scalars():
     # whole tensors with the scalars as float32 tensors, as the fused kernels pass them: the states bit for
     # bit; the parameter within ATen's sqrt, which is not correctly rounded (the kernels' is: inductor's
     # ``std::sqrt`` / ``_mm512_sqrt_ps``)
-    ps, states, _ = _run_ademamix("fp32", c_kernel=True)
+    ps, states = _run_ademamix("fp32", c_kernel=True)
     gen = torch.Generator().manual_seed(0)
     ref = [torch.randn(s, generator=gen) for s in PLAIN_SHAPES]
     ref_states = [[torch.zeros_like(p) for _ in range(3)] for p in ref]
@@ -143,21 +146,22 @@ def _run_adan(state_format: str, c_kernel: bool, shapes=ADAN_SHAPES, steps: int 
     gen = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     opt = Adan(ps, lr=1e-2, weight_decay=0.02, state_format=state_format, min_quantize_numel=1, **kwargs)
-    before = _cpu_kernel.built_specs()
     with cpu_kernel_enabled(c_kernel):
         for step in range(steps):
             for p, g in zip(ps, _grads(shapes, gen)):
                 p.grad = g
             opt.step()
-    return ps, opt, _spec_tags(before)
+    if c_kernel:
+        _assert_c_kernel_takes("test_adan", {"maximize": False}, ps[0],
+                               [opt.state[ps[0]][s.name] for s in ADAN.states({})])
+    return ps, opt
 
 
 @pytest.mark.parametrize("state_format", ["8bit", pytest.param("4bit", marks=pytest.mark.exhaustive),
                                           pytest.param("fp8", marks=pytest.mark.exhaustive)])
 def test_adan_c_kernel_equals_inductor_kernel_bit_for_bit(state_format):
-    ps, opt, built = _run_adan(state_format, c_kernel=True)
-    assert any(t.startswith("test_adan_") for t in built | set(_cpu_kernel.built_specs())), "the C kernel did not run"
-    ref_ps, ref_opt, _ = _run_adan(state_format, c_kernel=False)
+    ps, opt = _run_adan(state_format, c_kernel=True)
+    ref_ps, ref_opt = _run_adan(state_format, c_kernel=False)
     for i, (p, q) in enumerate(zip(ps, ref_ps)):
         _assert_same_bits(p.detach(), q.detach(), f"param {i}")
         for name in ("exp_avg", "exp_avg_diff", "exp_avg_sq", "prev_grad"):
@@ -170,8 +174,7 @@ def test_adan_fp32_states_are_its_math_and_the_published_algorithm():
     # 2-D and 1-D, large and small: with plain states the C kernel runs at every size. Its states are the
     # rule's math op by op with float32 scalars bit for bit (no sqrt reaches them)
     shapes = [(300, 301), (33, 71), (64,)]
-    ps, opt, built = _run_adan("fp32", c_kernel=True, shapes=shapes, steps=4)
-    assert any(t.startswith("test_adan_") for t in built | set(_cpu_kernel.built_specs())), "the C kernel did not run"
+    ps, opt = _run_adan("fp32", c_kernel=True, shapes=shapes, steps=4)
     gen = torch.Generator().manual_seed(0)
     exact = [torch.randn(s, generator=gen) for s in shapes]
     published = [torch.nn.Parameter(p.clone()) for p in exact]
@@ -263,7 +266,7 @@ def _run_op_zoo(c_kernel: bool, w: float):
 @pytest.mark.parametrize("w", [0.3, 0.8])
 def test_generated_ops_equal_inductors_on_special_values(w):
     ps, opt = _run_op_zoo(True, w)
-    assert any(t.startswith("test_op_zoo_") for t in _cpu_kernel.built_specs()), "the C kernel did not run"
+    _assert_c_kernel_takes("test_op_zoo", {}, ps[0], [opt.state[ps[0]]["s"]])
     ref_ps, ref_opt = _run_op_zoo(False, w)
     for i, (p, q) in enumerate(zip(ps, ref_ps)):
         _same_or_both_nan(p.detach(), q.detach(), f"param {i}")
