@@ -156,7 +156,7 @@ def main() -> None:
                     help="time the kernel, its variants without encodes and decodes, and torch fused AdamW")
     args = ap.parse_args()
     w, states, spec = _setup(args.format, parse_size(args.numel))
-    configured = ck._config(spec, w.grad.dtype) + ck._SOURCE.read_text()
+    configured = ck.kernel_source(spec, w.grad.dtype)
     if args.dump:
         args.dump.write_text(configured)
         print(f"wrote {args.dump} ({spec.tag()})")

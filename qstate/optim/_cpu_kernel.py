@@ -18,7 +18,12 @@ are loaded only where their SHA-256 is the one recorded at their build; its docs
 A missing compiler, a failing build or a cache folder others can write raises; nothing falls back
 silently.
 
-Which specs it takes (:func:`supports`): CPU, every state a ``QuantizedState``
+The rule: every registered rule's C, qstate's own and others' alike, is generated from its math
+(:mod:`._cpu_rule`: the inductor kernel's results bit for bit) and placed before the source
+(:func:`kernel_source`). A rule the generator does not take keeps inductor's kernel, which the ``qstate``
+logger says (a warning with the generator's reason, once per rule and flags).
+
+Which specs it takes (:func:`supports`): a rule in C (above), CPU, every state a ``QuantizedState``
 of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
 (stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), or every
 state a plain float32/bfloat16 tensor (read and written in place), a float32 or
@@ -57,7 +62,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import math
+import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -70,6 +77,7 @@ from ..formats.fp8 import Float8Format
 from .._state import QuantizedState
 from ._codec import _code_thresholds, _floats, get_codec
 from ._cpu_build import compiler as _compiler, load as _load_library
+from ._cpu_rule import UnsupportedRule, rule_source
 from ._prepared import PreparedUpdate
 from ._rules import RULES
 from ._state_kind import StateKind
@@ -77,8 +85,7 @@ from ._state_kind import StateKind
 __all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
-_RULE_MACROS = {"adam": "RULE_ADAM", "lion": "RULE_LION", "sgd": "RULE_SGD"}
-_FLAG_MACROS = ("decoupled", "amsgrad", "maximize", "momentum", "nesterov")
+_LOGGER = logging.getLogger("qstate")
 #: largest lcm of a spec's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
 _MAX_UNIT = 4096
 #: the row segment (work item) of a spec whose states are all plain
@@ -228,7 +235,7 @@ _SUPPORTED: dict = {}
 
 
 def _supports_spec(spec, grad_dtype: torch.dtype) -> bool:
-    if spec.rule not in _RULE_MACROS or not spec.states:
+    if not spec.states or not _has_c_rule(spec):
         return False
     if spec.param_dtype not in _DTYPES or grad_dtype not in _DTYPES:
         return False
@@ -246,14 +253,37 @@ def _supports_spec(spec, grad_dtype: torch.dtype) -> bool:
     return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
 
 
+#: (rule object, flags) -> whether the C kernel has the rule's C (hand-written or generated)
+_C_RULES: dict = {}
+
+
+def _has_c_rule(spec) -> bool:
+    """Whether the C kernel has ``spec``'s rule in C, generated from its math (:func:`._cpu_rule.rule_source`).
+    A rule the generator does not take keeps inductor's kernel, which the ``qstate`` logger says once per rule
+    and flags, with the generator's reason."""
+    rule = RULES.get(spec.rule)
+    if rule is None:
+        return False
+    key = (rule, spec.flags)
+    verdict = _C_RULES.get(key)
+    if verdict is None:
+        try:
+            rule_source(rule, spec.flags)
+            verdict = True
+            _LOGGER.info("qstate CPU kernel: the update rule %r (flags %s) runs the C kernel, its C generated "
+                         "from its math", spec.rule, dict(spec.flags))
+        except UnsupportedRule as error:
+            verdict = False
+            _LOGGER.warning("%s", error)
+        _C_RULES[key] = verdict
+    return verdict
+
+
+
+
 def _config(spec, grad_dtype: torch.dtype) -> str:
     """The ``#define`` block that configures ``update_kernel.c`` for ``spec``."""
-    flags = dict(spec.flags)
-    lines = [f"#define {m} {int(m == _RULE_MACROS[spec.rule])}" for m in _RULE_MACROS.values()]
-    lines += [f"#define {name.upper()} {int(bool(flags.get(name, False)))}" for name in _FLAG_MACROS]
-    # the rule's scalars by name: their indexes in the hyper vector
-    lines += [f"#define H_{name.upper()} {i}" for i, name in enumerate(RULES[spec.rule].scalar_names)]
-    lines.append(f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}")
+    lines = [f"#define PARAM_BF16 {int(spec.param_dtype == torch.bfloat16)}"]
     lines.append(f"#define GRAD_BF16 {int(grad_dtype == torch.bfloat16)}")
     lines.append(f"#define PARAM_SR {int(spec.param_sr)}")
     lines.append(f"#define NSTATES {len(spec.states)}")
@@ -286,9 +316,15 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kernel_source(spec, grad_dtype: torch.dtype) -> str:
+    """The C source of ``spec``'s kernel: the ``#define`` block (:func:`_config`), the rule's generated C
+    (:mod:`._cpu_rule`), then ``csrc/update_kernel.c``. All of it keys the build cache (:func:`._cpu_build.load`)."""
+    return _config(spec, grad_dtype) + rule_source(RULES[spec.rule], spec.flags).code + _SOURCE.read_text()
+
+
 def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     tag = _tag(spec, grad_dtype)
-    dll = _load_library(_config(spec, grad_dtype) + _SOURCE.read_text(), f"qstate_update_{tag}",
+    dll = _load_library(kernel_source(spec, grad_dtype), "qstate_update_" + re.sub(r"[^A-Za-z0-9_]", "_", tag),
                         f"the CPU update kernel {tag}")
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,

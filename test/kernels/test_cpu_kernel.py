@@ -433,8 +433,8 @@ def test_kernel_source_compiles_for_every_vector_path(fmt, isa, tmp_path):
     else:
         states = [qstate.zeros_like(p, fmt, signed=signed, dtype=torch.float32,
                                     rounding=SR if signed and fmt == "4bit" else "nearest") for signed in (True, False)]
-    spec = KernelSpec.of("adam", (("decoupled", True),), p, states, False)
-    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
+    spec = KernelSpec.of("adam", _ADAMW_FLAGS, p, states, False)
+    (tmp_path / "kernel.c").write_text(_cpu_kernel.kernel_source(spec, torch.float32))
     flags = [f for f in _cpu_build.CFLAGS if not f.startswith("-march=")] + [_MARCH[isa]]
     proc = subprocess.run([*cc, *flags, "kernel.c", "-o", "kernel.so"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -473,7 +473,7 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
     states = [[torch.zeros_like(p, dtype=torch.float32) if fmt == "fp32" else
                qstate.zeros_like(p, fmt, signed=signed, dtype=torch.float32) for p in ps] for signed in (True, False)]
     cpu = torch.device("cpu")
-    spec = KernelSpec.of("adam", (("decoupled", True),), ps[0], [s[0] for s in states], True)
+    spec = KernelSpec.of("adam", _ADAMW_FLAGS, ps[0], [s[0] for s in states], True)
     assert _cpu_kernel.supports(spec, cpu, torch.bfloat16)
     for step in (1, 2):
         gs = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
@@ -582,8 +582,8 @@ def _checker(tmp_path, states: list, source: str, function: str, flags: tuple = 
     cc = _cpu_build.compiler()  # the compiler the kernel builds with (its words)
     if cc is None:
         pytest.skip("no C compiler")
-    spec = KernelSpec.of("adam", (("decoupled", True),), torch.zeros(2, 256), states, False)
-    (tmp_path / "kernel.c").write_text(_cpu_kernel._config(spec, torch.float32) + _cpu_kernel._SOURCE.read_text())
+    spec = KernelSpec.of("adam", _ADAMW_FLAGS, torch.zeros(2, 256), states, False)
+    (tmp_path / "kernel.c").write_text(_cpu_kernel.kernel_source(spec, torch.float32))
     (tmp_path / "check.c").write_text(source)
     lib = tmp_path / "check.so"
     subprocess.run([*cc, *_cpu_build.CFLAGS, *flags, str(tmp_path / "check.c"), "-o", str(lib), "-lm"], check=True,

@@ -1,15 +1,16 @@
 /* Fused optimizer update over quantized states (8bit, 4bit, fp8), CPU.
  *
- * Built by qstate/optim/_cpu_kernel.py, which prepends the configuration
- * (one shared object per kernel spec, never per shape):
+ * Built by qstate/optim/_cpu_kernel.py (one shared object per kernel spec, never per shape), which
+ * prepends the update rule's C, generated from its math for the spec's rule and static flags
+ * (qstate/optim/_cpu_rule.py: ``rule_consts_t``; ``rule_consts(h)``, the values of the scalars alone, once
+ * per row segment; ``rule(p, g, s, h, c)``, one element: the decoded states s[] in, the new states in s[],
+ * the new p returned), and before it this configuration:
  *
- *   RULE_ADAM | RULE_LION | RULE_SGD     the update rule (qstate/optim/_rules.py)
- *   DECOUPLED, AMSGRAD, MAXIMIZE, MOMENTUM, NESTEROV   the rule's static flags (0/1)
  *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
  *                                        is written rounded to nearest even, or with PARAM_SR
  *                                        stochastically: store_p_sr, from the caller's key)
  *                                        (ANY_SR, PARAM_SR or an S<i>_SR: the call reads keys and starts)
- *   NSTATES                              number of quantized states (1..3)
+ *   NSTATES                              number of states (1 or more)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
  *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
  *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states, unsigned fp8 states), map entries
@@ -128,92 +129,6 @@ static inline float load_g(grad_t v) { return bf16_to_f(v); }
 typedef float grad_t;
 static inline float load_g(grad_t v) { return v; }
 #endif
-
-/* torch.lerp's formula (weight w): |w| < 0.5 ? a + w (b - a) : b - (b - a) (1 - w), as
- * (low ? a : b) + c (b - a) with the per-call constants low = |w| < 0.5 and c = low ? w : -(1 - w)
- * (lerp_form; the weights are the rule's scalars): the same bits (negation is exact), one multiply */
-typedef struct {
-    int low;
-    float c;
-} lerp_form_t;
-static inline lerp_form_t lerp_form(float w) {
-    const int low = fabsf(w) < 0.5f;
-    return (lerp_form_t){low, low ? w : -(1.0f - w)};
-}
-static inline float lerp(float a, float b, lerp_form_t f) { return (f.low ? a : b) + f.c * (b - a); }
-/* torch.minimum(torch.maximum(m, -limit), limit) (_rules) as two selects (vmaxps, vminps): a NaN m is
- * kept, as torch keeps it; a NaN limit keeps m where torch gives NaN, but then sqrt_v is NaN and so
- * is the update */
-static inline float clampf(float m, float limit) {
-    const float x = -limit > m ? -limit : m; /* max(m, -limit) as vmaxps: an unordered compare keeps m */
-    return limit < x ? limit : x;            /* min(x, limit) as vminps */
-}
-static inline float signf(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }
-
-/* The rule's scalars are read by name: H_<NAME> is the index of ``<name>`` in the rule's
- * ``scalar_names`` (the #define block of _cpu_kernel._config), the order of the hyper vector. */
-
-/* The gradient the rule follows (_rules.gradient): unscaled by grad_unscale (AMP), negated if
- * MAXIMIZE. */
-static inline float gradient(float g, const float *restrict h) {
-    g = g * h[H_GRAD_UNSCALE];
-#if MAXIMIZE
-    g = -g;
-#endif
-    return g;
-}
-
-/* One element: p, g and the decoded states in, new p out; new states in *s0, *s1, *s2. f2 / f3: the
- * lerp_form of the weights 1 - beta1 / 1 - beta2 (Adam's beta1; Lion's beta1 and beta2). */
-static inline float rule(float p, float g, float *restrict s0, float *restrict s1, float *restrict s2,
-                         const float *restrict h, const lerp_form_t f2, const lerp_form_t f3) {
-#if RULE_ADAM
-    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
-    g = gradient(g, h);
-#if DECOUPLED
-    p = p * (1.0f - lr * wd);
-#else
-    g = g + wd * p;
-#endif
-    float m = lerp(*s0, g, f2);
-    float v = *s1 * h[H_BETA2] + g * g * (1.0f - h[H_BETA2]);
-    *s0 = m;
-    *s1 = v;
-#if AMSGRAD
-    v = *s2 > v ? *s2 : v;
-    *s2 = v;
-#endif
-    float sqrt_v = sqrtf(v);
-    float limit = sqrt_v * h[H_M_BOUND];
-    m = clampf(m, limit);
-    float step_size = lr / h[H_BIAS_CORRECTION1];
-    float denom = sqrt_v / h[H_BIAS_CORRECTION2_SQRT] + h[H_EPS];
-    return p + (-step_size) * (m / denom);
-#elif RULE_LION
-    const float lr = h[H_LR], wd = h[H_WEIGHT_DECAY];
-    g = gradient(g, h);
-    p = p * (1.0f - lr * wd);
-    float direction = signf(lerp(*s0, g, f2));
-    *s0 = lerp(*s0, g, f3);
-    return p + (-lr) * direction;
-#elif RULE_SGD
-    const float lr = h[H_LR];
-    g = gradient(g, h);
-    g = g + h[H_WEIGHT_DECAY] * p;
-#if MOMENTUM
-    float buf = *s0 * h[H_BUF_KEEP] + g * h[H_GRAD_KEEP];
-    *s0 = buf;
-#if NESTEROV
-    g = g + h[H_MOMENTUM] * buf;
-#else
-    g = buf;
-#endif
-#endif
-    return p + (-lr) * g;
-#else
-#error "no rule"
-#endif
-}
 
 /* Chris Wellons' lowbias32: the 32-bit mix of every stochastic-rounding draw (qstate/_random.py) */
 static inline uint32_t lowbias32(uint32_t x) {
@@ -947,17 +862,17 @@ static inline void decode4(const uint8_t *restrict bytes, int64_t n, const float
 #define MAKE_PLANES(i) if (S##i##_BITS == 8) make_planes(st[i].qmap, planes + (i));
 #define DECLARE_VALS(i) float vals##i[GROUP + 1];
 #define LOAD_STATE(i) \
-    s##i = S##i##_PLAIN ? (S##i##_BF16 ? bf16_to_f(pb##i[col + j]) : pf##i[col + j]) : vals##i[j];
+    s[i] = S##i##_PLAIN ? (S##i##_BF16 ? bf16_to_f(pb##i[col + j]) : pf##i[col + j]) : vals##i[j];
 /* a plain state's new value in place; a quantized state's into the segment buffer, and |value| as bits
  * into the group's running max (integer order is float order for |x|, and a NaN is above every number,
  * so the max propagates NaN as torch.amax; ENCODE_BLOCKS then lets an infinity outrank it) */
 #define STORE_STATE(i)                                                                    \
     if (S##i##_PLAIN) {                                                                   \
-        if (S##i##_BF16) pb##i[col + j] = f_to_bf16(s##i);                                \
-        else pf##i[col + j] = s##i;                                                       \
+        if (S##i##_BF16) pb##i[col + j] = f_to_bf16(s[i]);                                \
+        else pf##i[col + j] = s[i];                                                       \
     } else {                                                                              \
-        newv##i[col - c0 + j] = s##i;                                                     \
-        const uint32_t a_ = f2u(s##i) & 0x7fffffffu;                                      \
+        newv##i[col - c0 + j] = s[i];                                                     \
+        const uint32_t a_ = f2u(s[i]) & 0x7fffffffu;                                      \
         gmax##i = a_ > gmax##i ? a_ : gmax##i;                                            \
     }
 #define DECLARE_NEWV(i) float newv##i[UNIT]; uint32_t gbits##i[UNIT / GROUP]; /* per group max |x| bits */
@@ -1141,11 +1056,7 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
     FOR_STATES(DECLARE_STATE)
     FOR_STATES(DECLARE_NEWV)
     FOR_STATES(DECLARE_VALS)
-#if RULE_SGD /* no lerps */
-    const lerp_form_t f2 = lerp_form(0.0f), f3 = lerp_form(0.0f);
-#else
-    const lerp_form_t f2 = lerp_form(1.0f - h[H_BETA1]), f3 = lerp_form(RULE_LION ? 1.0f - h[H_BETA2] : 0.0f);
-#endif
+    const rule_consts_t consts = rule_consts(h);
     for (int64_t col = c0; col < c0 + len; col += GROUP) {
         const int64_t n = (c0 + len - col) < GROUP ? (c0 + len - col) : GROUP;
         FOR_STATES(DECODE_GROUP)
@@ -1162,9 +1073,9 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
         const uint32_t lo0 = (uint32_t)(uint64_t)(row_start + col), hi0 = (uint32_t)((uint64_t)(row_start + col) >> 32);
 #endif
         for (int64_t j = 0; j < n; j++) {
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f;
+            float s[NSTATES];
             FOR_STATES(LOAD_STATE)
-            const float new_p = rule(load_p(pp[j]), load_g(gp[j]), &s0, &s1, &s2, h, f2, f3);
+            const float new_p = rule(load_p(pp[j]), load_g(gp[j]), s, h, &consts);
 #if PARAM_SR
             const uint32_t lo = lo0 + (uint32_t)j;
             pp[j] = store_p_sr(new_p, param_draw(key, lo, hi0 + (lo < lo0)));
