@@ -56,8 +56,12 @@ def _ademamix_states(flags: dict) -> tuple[StateSpec, ...]:
 
 def _ademamix_scalars(group: dict, step: int) -> dict[str, float]:
     beta1, beta2, beta3 = group["betas"]
+    beta3 = beta3_at(step, beta3, beta1, group["beta3_warmup"])
+    # the EMA weights 1 - beta in double: a float32 beta near 1 holds 1 - beta only to about
+    # 2e-4 relative (1 - float32(0.9999) is 1.00017e-4), which kernels with float32 scalars would use
     return {
-        "beta1": beta1, "beta2": beta2, "beta3": beta3_at(step, beta3, beta1, group["beta3_warmup"]),
+        "beta1": beta1, "beta2": beta2, "beta3": beta3,
+        "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2, "one_minus_beta3": 1 - beta3,
         "alpha": alpha_at(step, group["alpha"], group["alpha_warmup"]), "eps": group["eps"],
         "weight_decay": group["weight_decay"], "bias_correction1": 1 - beta1**step,
         "bias_correction2_sqrt": math.sqrt(1 - beta2**step),
@@ -69,12 +73,12 @@ def _ademamix_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict,
     g = gradient(g, h, flags)
     new: list[Tensor] = []
     if flags["fast"]:
-        m1 = add(states[0] * h["beta1"], g, 1 - h["beta1"])
+        m1 = add(states[0] * h["beta1"], g, h["one_minus_beta1"])
         new.append(m1)
     else:
         m1 = g
-    m2 = add(states[-2] * h["beta3"], g, 1 - h["beta3"])
-    v = addcmul(states[-1] * h["beta2"], g, g, 1 - h["beta2"])
+    m2 = add(states[-2] * h["beta3"], g, h["one_minus_beta3"])
+    v = addcmul(states[-1] * h["beta2"], g, g, h["one_minus_beta2"])
     new += [m2, v]
     denom = v.sqrt() / h["bias_correction2_sqrt"]
     denom = denom + h["eps"] if is_tensor(h["eps"]) else denom.add(h["eps"])
@@ -87,8 +91,8 @@ def _ademamix_math(p: Tensor, g: Tensor, states: Sequence[Tensor], h: dict,
 
 ADEMAMIX = register_rule(UpdateRule(
     "ademamix", _ademamix_states,
-    ("lr", "grad_unscale", "beta1", "beta2", "beta3", "alpha", "eps", "weight_decay", "bias_correction1",
-     "bias_correction2_sqrt"),
+    ("lr", "grad_unscale", "beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3",
+     "alpha", "eps", "weight_decay", "bias_correction1", "bias_correction2_sqrt"),
     _ademamix_scalars, _ademamix_math,
 ))
 
