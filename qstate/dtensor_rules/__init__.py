@@ -32,6 +32,7 @@ installed. From a ``sitecustomize``: ``import qstate.dtensor_rules as r; r.insta
 
 from __future__ import annotations
 
+from qstate.dtensor_rules import _cpu_random
 from qstate.dtensor_rules._catalog import QSTATE_OP_RULES, RULES
 from qstate.dtensor_rules._fused_ops import flat_starts, LayoutMismatch
 from qstate.dtensor_rules._positional import positional_randint_like
@@ -74,8 +75,10 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore torch's entries that :func:`install` replaced and clear the caches (idempotent)."""
+    """Restore torch's entries that :func:`install` replaced and clear the caches (idempotent); DTensor's
+    RNG tracker goes back to none if it is the CPU one the installed random rules created."""
     _REGISTRY.uninstall()
+    _cpu_random.drop_tracker()
 
 
 def is_installed() -> bool:

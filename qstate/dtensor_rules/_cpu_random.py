@@ -13,16 +13,19 @@ ranks seeded alike draw the same numbers on every shard. Here, for each call of 
 3. restores the default generator to its state after the draw.
 
 Distinct shards draw independent numbers, replicas agree, every rank's generator advances by one
-draw, and no collective is issued per op. Like torch's CUDA tracker when it is created, the first
-such op in the process (while DTensor has no RNG tracker) sets every rank's CPU generator to rank
-0's state (one broadcast over the default group), warning when they differed. Meshes of other
-device types keep torch's path untouched (the handlers are keyed by device type,
+draw, and no collective is issued per op. The scheme is held by an RNG tracker object, as the
+series' ``CPUSeedBasedRNGTracker``: the first such op while DTensor has no tracker
+(``torch.distributed.tensor._random._rng_tracker is None``) creates one there, and like torch's CUDA
+tracker its creation sets every rank's CPU generator to rank 0's state (one broadcast over the
+default group), warning when they differed; ``manual_seed`` on a CPU mesh creates it without the
+sync. Meshes of other device types keep torch's path (the handlers are keyed by device type,
 :class:`~qstate.dtensor_rules._registry.DeviceHandlers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +36,7 @@ from qstate import _random
 from qstate.dtensor_rules import _compat, _probe
 from qstate.dtensor_rules._registry import Rule
 
-__all__ = ["RULES", "cpu_random_handler", "shard_seed"]
+__all__ = ["RULES", "cpu_random_handler", "drop_tracker", "shard_seed"]
 
 #: torch's text, on torch's logger, for the same event (``OffsetBasedRNGTracker``'s state sync)
 _RNG_STATE_SYNC_WARNING = (
@@ -44,10 +47,6 @@ _RNG_STATE_SYNC_WARNING = (
     "but all ranks belonging to one pipeline stage would use the same seed."
 )
 _LOGGER = logging.getLogger("torch.distributed.tensor._random")
-
-#: whether the CPU generators were synchronized (once per process, as torch creates its tracker once)
-_synced = False
-
 
 def shard_seed(key: int, shard_index: int) -> int:
     """The seed of shard ``shard_index`` for a call whose key is ``key``: splitmix64's output for
@@ -75,35 +74,15 @@ def _warn_if_differs(state: torch.Tensor, synced: torch.Tensor) -> None:
         _LOGGER.warning(_RNG_STATE_SYNC_WARNING)
 
 
-def _sync_once(rng: Any) -> None:
-    """Every rank's CPU generator set to rank 0's state, the first time (not while tracing)."""
-    global _synced
-    from torch.distributed.tensor import _random as dtensor_random
-    from torch.distributed._functional_collectives import _are_we_tracing
-
-    if _synced or dtensor_random._rng_tracker is not None or _are_we_tracing():
-        return
-    state = rng.get_rng_state()
-    synced = state.clone()
-    torch.distributed.broadcast(synced, 0)
-    _warn_if_differs(state, synced)
-    rng.set_rng_state(synced)
-    _synced = True
-
-
 @contextlib.contextmanager
-def _shard_seeds(spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
+def _seeded_region(spec: Any, generator: torch.Generator | None = None) -> Iterator[None]:
     """The default CPU generator seeded for this rank's shard of ``spec`` (per simulated rank under
     ``LocalTensorMode``), and restored to its state after the key draw on exit."""
-    from torch.distributed.tensor import _random as dtensor_random
-
     coordinate = spec.mesh.get_coordinate()
-    tracker = dtensor_random._rng_tracker
-    if coordinate is None or (tracker is not None and not tracker.distribute_region_enabled):
+    if coordinate is None:
         yield
         return
     rng = _compat.cpu_rng_states()
-    _sync_once(rng)
     if generator is None:  # per rank (per simulated rank under LocalTensorMode)
         key = _draw_key(None)
     else:  # one object, shared by simulated ranks: one draw
@@ -117,17 +96,57 @@ def _shard_seeds(spec: Any, generator: torch.Generator | None = None) -> Iterato
         rng.set_rng_state(after_draw)
 
 
-def _around_local_op(args: tuple, op_info: Any) -> Any:
-    """Per-shard seeds around torch's local op, for the shards of ``args[0]`` (the DTensor whose spec
-    torch's RNG tracker reads); none for meta tensors, as torch's tracker."""
-    if args[0]._local_tensor.is_meta:
-        return contextlib.nullcontext()
-    return _shard_seeds(args[0]._spec, op_info.local_kwargs.get("generator"))
+@functools.cache
+def _tracker_class() -> type:
+    """The tracker class, a subclass of torch's ``_RNGStateTracker`` (made on first use, so that
+    importing qstate imports no DTensor module)."""
+    from torch.distributed.tensor._random import _RNGStateTracker
+
+    class CPUSeedBasedRNGTracker(_RNGStateTracker):
+        """DTensor's RNG tracker for CPU meshes: per-shard seeds; created with ``run_state_sync``,
+        it sets every rank's CPU generator to rank 0's state, warning where it differed."""
+
+        def __init__(self, run_state_sync: bool = True) -> None:
+            super().__init__(torch.device("cpu"))
+            if run_state_sync:
+                rng = _compat.cpu_rng_states()
+                state = rng.get_rng_state()
+                synced = state.clone()
+                torch.distributed.broadcast(synced, 0)
+                _warn_if_differs(state, synced)
+                rng.set_rng_state(synced)
+
+        def _distribute_region(self, spec: Any, generator: torch.Generator | None = None) -> Any:
+            if not self.distribute_region_enabled:
+                return contextlib.nullcontext()
+            return _seeded_region(spec, generator)
+
+    return CPUSeedBasedRNGTracker
+
+
+def _tracker(run_state_sync: bool = True) -> None:
+    """DTensor's RNG tracker: a CPU one created where DTensor has none."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    if dtensor_random._rng_tracker is None:
+        dtensor_random._rng_tracker = _tracker_class()(run_state_sync)
+
+
+def drop_tracker() -> None:
+    """DTensor's RNG tracker back to none if it is a CPU one made here."""
+    from torch.distributed.tensor import _random as dtensor_random
+
+    if _tracker_class.cache_info().currsize and isinstance(dtensor_random._rng_tracker, _tracker_class()):
+        dtensor_random._rng_tracker = None
 
 
 def cpu_random_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """A random op on a CPU mesh: torch's path, its local op on per-shard seeds."""
-    return _compat.dispatch_as_torch(op, args, kwargs, _around_local_op)
+    """A random op on a CPU mesh: torch's path, with DTensor's RNG tracker created where it has none
+    (torch creates its own only for CUDA-like meshes); the tracker seeds the local op."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    _tracker(run_state_sync=not _are_we_tracing())
+    return _compat.dispatch_as_torch(op, args, kwargs)
 
 
 @_probe.checked
@@ -152,52 +171,29 @@ def supported_on_cpu(original: Callable[..., bool]) -> Callable[..., bool]:
 
 
 def seeded_on_cpu(original: Callable[..., None]) -> Callable[..., None]:
-    """``torch.distributed.tensor._random.manual_seed`` on a CPU mesh: ``torch.manual_seed(seed)`` on
-    every rank of the mesh, and no later state sync (torch creates its tracker here, unsynced)."""
+    """``torch.distributed.tensor._random.manual_seed`` on a CPU mesh creates the CPU tracker (without
+    the state sync) where DTensor has none, then seeds as torch does."""
 
     def manual_seed(seed: int, device_mesh: Any) -> None:
-        global _synced
-        if device_mesh.device_type != "cpu":
-            return original(seed, device_mesh)
-        _synced = True
-        if device_mesh.get_coordinate() is None:
-            raise RuntimeError(
-                "manual_seed requires the current rank to be a part of the device mesh "
-                "otherwise DTensor RNG state on the rank will not be initialized and "
-                "the behavior of DTensor random ops is undefined.")
-        torch.manual_seed(seed)
+        if device_mesh.device_type == "cpu":
+            _tracker(run_state_sync=False)
+        return original(seed, device_mesh)
 
     return manual_seed
 
 
 def factories_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``_dtensor_init_helper`` (``torch.distributed.tensor.rand``/``randn``) on a CPU mesh: the local
-    tensor drawn on per-shard seeds, as random ops are."""
+    """``_dtensor_init_helper`` (``torch.distributed.tensor.rand``/``randn``) on a CPU mesh creates the
+    CPU tracker where DTensor has none; torch's helper then draws the local tensor in its region."""
 
     def _dtensor_init_helper(init_op: Any, size: torch.Size, device_mesh: Any = None, placements: Any = None,
                              **kwargs: Any) -> Any:
         from torch.distributed.device_mesh import _mesh_resources
-        from torch.distributed.tensor import DTensor, Replicate
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         mesh = device_mesh or _mesh_resources.get_current_mesh()
-        if init_op not in (torch.rand, torch.randn) or mesh.device_type != "cpu":
-            return original(init_op, size, device_mesh, placements, **kwargs)
-        placements = tuple(placements or (Replicate(),) * mesh.ndim)
-        if mesh.ndim != len(placements):
-            raise AssertionError("mesh dimension does not match the length of placements")
-        if kwargs["layout"] != torch.strided:
-            raise AssertionError("layout value not supported!")
-        kwargs["device"] = "cpu"
-        stride = torch._prims_common.make_contiguous_strides_for(size)
-        local_shape, _ = compute_local_shape_and_global_offset(size, mesh, placements)
-        meta = TensorMeta(size, stride, kwargs.get("dtype") or torch.get_default_dtype())
-        spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-        with _shard_seeds(spec):
-            local = init_op(local_shape, **kwargs)
-        spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(size, stride, local.dtype))
-        return DTensor(local, spec, requires_grad=kwargs["requires_grad"])
+        if init_op in (torch.rand, torch.randn) and mesh.device_type == "cpu":
+            _tracker()
+        return original(init_op, size, device_mesh, placements, **kwargs)
 
     return _dtensor_init_helper
 

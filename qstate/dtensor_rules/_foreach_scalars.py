@@ -5,14 +5,15 @@ their kernels read on the host into a scalar list (ATen's ``convert_tensor_to_sc
 running the ``.ScalarList`` overload. On DTensors torch fails to propagate them (the fake run cannot
 read a fake ``scalars``, and the foreach expansion broadcasts ``scalars`` against each element). The
 handlers do what the kernels do: check ``scalars`` with their checks and messages, read it on the
-host (a DTensor ``scalars`` is gathered first) and run the in-place ``.ScalarList`` overload, on
-clones of ``self`` for the out-of-place forms; its rule is the pointwise foreach one (placements
-kept, no communication). A plain ``scalars`` is not a DTensor operand: it needs no
-``implicit_replication()``.
+host (a DTensor ``scalars`` is gathered first) and run the matching ``.ScalarList`` overload, whose
+rule is the pointwise foreach one. Where torch has no rule for an out-of-place ``.ScalarList``
+overload (torch 2.13), the in-place one runs on clones of ``self``. A plain ``scalars`` is not a
+DTensor operand: it needs no ``implicit_replication()``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,12 +26,17 @@ __all__ = ["RULES", "foreach_scalars_handler"]
 
 aten = torch.ops.aten
 
-#: each ``.Tensor`` overload and the in-place ``.ScalarList`` overload its kernel runs
+#: each ``.Tensor`` overload and the ``.ScalarList`` overload its kernel runs
 SCALAR_LIST_OPS = {
     aten._foreach_addcdiv_.Tensor: aten._foreach_addcdiv_.ScalarList,
     aten._foreach_addcmul_.Tensor: aten._foreach_addcmul_.ScalarList,
-    aten._foreach_addcdiv.Tensor: aten._foreach_addcdiv_.ScalarList,
-    aten._foreach_addcmul.Tensor: aten._foreach_addcmul_.ScalarList,
+    aten._foreach_addcdiv.Tensor: aten._foreach_addcdiv.ScalarList,
+    aten._foreach_addcmul.Tensor: aten._foreach_addcmul.ScalarList,
+}
+#: each out-of-place ``.ScalarList`` overload and its in-place form
+IN_PLACE = {
+    aten._foreach_addcdiv.ScalarList: aten._foreach_addcdiv_.ScalarList,
+    aten._foreach_addcmul.ScalarList: aten._foreach_addcmul_.ScalarList,
 }
 
 
@@ -50,12 +56,23 @@ def _scalar_list(scalars: Any, num_tensors: int) -> list[Any]:
     return scalars.tolist()
 
 
+@functools.cache
+def _has_rule(op: torch._ops.OpOverload) -> bool:
+    """Whether torch propagates ``op`` on lists of two replicated elements."""
+    element = _probe.spec((4,), torch.float32, [Replicate()])
+    lists = ([element, element],) * 3
+    return not isinstance(_probe.propagate(op, (*lists, [0.5, 0.5])), Exception)
+
+
 def foreach_scalars_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     names = [a.name for a in op._schema.arguments]
     self, tensor1, tensor2, scalars = [*args, *(kwargs[n] for n in names[len(args):])]
-    out = [t.clone() for t in self] if op._schema.returns else self
-    SCALAR_LIST_OPS[op](out, tensor1, tensor2, _scalar_list(scalars, len(self)))
-    return out if op._schema.returns else None
+    target, scalar_list = SCALAR_LIST_OPS[op], _scalar_list(scalars, len(self))
+    if target not in IN_PLACE or _has_rule(target):
+        return target(self, tensor1, tensor2, scalar_list)
+    out = [t.clone() for t in self]  # torch has no rule for the out-of-place overload
+    IN_PLACE[target](out, tensor1, tensor2, scalar_list)
+    return out
 
 
 @_probe.checked

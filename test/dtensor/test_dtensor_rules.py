@@ -755,9 +755,11 @@ def test_the_first_cpu_random_op_syncs_rank_0s_state_and_warns(monkeypatch) -> N
     state (one broadcast), with torch's warning where they differed; later ops do not sync."""
     from torch.distributed._local_tensor import LocalTensor
 
+    from torch.distributed.tensor import _random as dtensor_random
+
     from qstate.dtensor_rules import _compat, _cpu_random
 
-    monkeypatch.setattr(_cpu_random, "_synced", False)
+    monkeypatch.setattr(dtensor_random, "_rng_tracker", None)  # as if no random op ran yet
     h = harness()
     zeros = torch.zeros(8)
     states = {r: torch.Generator().manual_seed(r).get_state() for r in range(4)}  # differing ranks
