@@ -80,6 +80,16 @@ def median_ms(seconds: list[float]) -> float:
     return 1e3 * statistics.median(seconds)
 
 
+def print_ratios(times: dict[str, list[float]], base: str, header: str) -> None:
+    """``header``, then each candidate's median milliseconds and its ratio to ``base``'s."""
+    base_ms = median_ms(times[base])
+    print(header)
+    print(f"{'candidate':32s} {'ms':>9s} {'/ base':>8s}")
+    for name, t in times.items():
+        ms = median_ms(t)
+        print(f"{name:32s} {ms:9.1f} {ms / base_ms:8.2f}")
+
+
 def _storages(t: torch.Tensor) -> Iterable[torch.Tensor]:
     """The plain tensors holding ``t``'s data (inner tensors of wrapper subclasses, recursively)."""
     if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):

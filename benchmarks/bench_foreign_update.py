@@ -25,7 +25,7 @@ import argparse
 
 import torch
 
-from _common import median_ms, parse_list, time_interleaved
+from _common import parse_list, print_ratios, time_interleaved
 
 import qstate
 
@@ -97,13 +97,8 @@ def main() -> None:
         print(f"{name:32s} after {args.steps} steps: max |error| / max |value|: m {err_m:.2e}, v {err_v:.2e}")
 
     times = time_interleaved(steps, args.repeats)
-    base = median_ms(times["torch fused AdamW"])
-    print(f"\nshape {shape}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
-    print(f"{'candidate':32s} {'ms':>9s} {'/ fused':>8s}")
-    for name, t in times.items():
-        ms = median_ms(t)
-        print(f"{name:32s} {ms:9.1f} {ms / base:8.2f}")
-
+    print_ratios(times, "torch fused AdamW",
+                 f"\nshape {shape}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
 
 if __name__ == "__main__":
     main()

@@ -36,3 +36,4 @@ __version__ = "0.1.0"
 SAFE_GLOBALS = [QuantizedState, _rebuild_quantized_state]
 torch.serialization.add_safe_globals(SAFE_GLOBALS)
 dtensor_rules.register_qstate_ops()
+from . import optim  # noqa: E402,F401  (registers its kernels: the C encode of CPU states)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ._dtensor import is_dtensor, shard_of, wrap_local_state
+from ._state_kernels import kernels_for
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
@@ -105,6 +106,12 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
         check_nonnegative(x.detach(), "quantize(signed=False)")
     rows, row_len = row_layout(x.shape)
     qmap = _make_qmap(f, signed, x)
+    if not torch._subclasses.fake_tensor.is_fake(x) and x.device.type != "meta":
+        q = zeros_like(x, fmt, signed=signed, block_size=bs, rounding=rounding)
+        kernels = kernels_for(q)
+        if kernels is not None and kernels.encodes(q, x):  # the same codes and scales
+            kernels.encode_into(q, x.detach())
+            return q
     codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding)
     return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
                           row_len=row_len, shape=x.shape, dtype=x.dtype, rounding=rounding)

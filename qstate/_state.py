@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ._op_table import dispatch
+from ._state_kernels import kernels_for
 from .formats import FORMATS, ROUNDINGS, BlockFormat, get_format
 from .formats.map_formats import legacy_map_name
 
@@ -200,8 +201,11 @@ class QuantizedState(Tensor):
     # -- public API -------------------------------------------------------
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
         """The values as a plain tensor of ``dtype`` (default: the appearance dtype)."""
-        values = self.fmt.decode(self.codes, self.scale, self.row_len, self.block_size, self.qmap)
-        flat = values.reshape(-1)
+        kernels = kernels_for(self)
+        if kernels is not None and kernels.decodes(self):  # the same values
+            flat = kernels.decode(self)
+        else:
+            flat = self.fmt.decode(self.codes, self.scale, self.row_len, self.block_size, self.qmap).reshape(-1)
         numel = math.prod(self.shape)
         if flat.numel() != numel:
             flat = flat[:numel]

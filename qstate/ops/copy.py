@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._library import LIBRARY
 from .._api import check_nonnegative, encode_like, row_layout, zero_parts
+from .._state_kernels import kernels_for
 from .._state import QuantizedState
 from ..formats.map_formats import legacy_map_name
 from .._op_table import register
@@ -65,6 +66,10 @@ def copy_into_state(dst: QuantizedState, src: torch.Tensor, draws: Optional[torc
                              f"{tuple(draws.shape)} [{dst.describe()}]")
         if not dst.signed:
             check_nonnegative(src, f"copy_ into {dst.state_name or 'a state'} [{dst.describe()}]")
+        kernels = kernels_for(dst) if draws is None else None
+        if kernels is not None and kernels.encodes(dst, src):  # the same codes and scales, in place
+            kernels.encode_into(dst, src)
+            return dst
         codes, scale = encode_like(dst, src, draws if dst.rounding == "stochastic" else None)
     if codes.shape != dst.codes.shape or scale.shape != dst.scale.shape:  # never a broadcast
         raise ValueError(f"copy_: expected codes {list(dst.codes.shape)} and scales {list(dst.scale.shape)} "

@@ -18,6 +18,7 @@ kernel's switch (:func:`cpu_kernel_enabled`), bfloat16 stochastic rounding and A
 The kernels' building blocks (state kinds, kernel specs, codecs, draws) are the engine's, private.
 """
 
+from . import _cpu_encode  # noqa: F401  (registers the C kernel's encode of CPU states)
 from . import functional
 from ._cpu_kernel import cpu_kernel_enabled
 from ._base import STATE_FORMATS, QuantizedOptimizer

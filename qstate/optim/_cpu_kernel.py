@@ -329,6 +329,9 @@ def _build(spec, grad_dtype: torch.dtype) -> ctypes.CDLL:
     dll.qstate_update.restype = None
     dll.qstate_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_void_p,
                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64]
+    dll.qstate_decode.restype = None
+    dll.qstate_decode.argtypes = [ctypes.c_void_p, ctypes.POINTER(_QState), ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_int]
     dll.qstate_update_many.restype = None
     dll.qstate_update_many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_QState),
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -446,6 +449,34 @@ def _threads(numel: int) -> int:
     return torch.get_num_threads() if numel >= 65536 else 1
 
 
+def _library(spec, grad_dtype: torch.dtype) -> tuple[ctypes.CDLL, list]:
+    """``spec``'s loaded kernel (built on first use) and each state's table pointers."""
+    loaded = _LIBS.get((spec, grad_dtype))
+    if loaded is None:
+        loaded = _LIBS[spec, grad_dtype] = (_build(spec, grad_dtype), [_table_pointers(e) for e in spec.states])
+    return loaded
+
+
+def run_once(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Sequence[float]) -> None:
+    """One update with no stochastic rounding, prepared for no later call (the state writers' encode,
+    :mod:`._cpu_encode`); the buffers are checked first (:func:`check_buffers`)."""
+    dll, tables = _library(spec, g.dtype)
+    check_buffers(spec, p, g, states)
+    arr, rows, row_len = state_slots(spec, p, states, tables)
+    dll.qstate_update(p.data_ptr(), g.data_ptr(), arr, _hyper_arg(hyper), rows, row_len, _threads(p.numel()), 0, 0)
+
+
+def decode_once(spec, state: QuantizedState) -> Tensor:
+    """The values of ``state`` (``spec``'s one quantized state; float32 parameters): a new float32 tensor of ``rows * row_len``
+    elements, decoded as the update decodes it; the state's buffers are checked first (:func:`check_buffers`)."""
+    dll, tables = _library(spec, torch.float32)
+    out = torch.empty(state.rows * state.row_len, dtype=torch.float32)
+    check_buffers(spec, out, out, [state])
+    arr, rows, row_len = state_slots(spec, out, [state], tables)
+    dll.qstate_decode(out.data_ptr(), arr, rows, row_len, _threads(out.numel()))
+    return out
+
+
 def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]],
         key: Optional[int] = None, start: int = 0) -> None:
     """One fused update of ``p`` and its ``states``, quantized or plain (the caller checked :func:`supports`
@@ -459,10 +490,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
     parameter would. The prepared call keeps it
     (a shard's place is fixed with its local tensor).
     """
-    loaded = _LIBS.get((spec, g.dtype))
-    if loaded is None:
-        loaded = _LIBS[spec, g.dtype] = (_build(spec, g.dtype), [_table_pointers(entry) for entry in spec.states])
-    dll, tables = loaded
+    dll, tables = _library(spec, g.dtype)
     check_buffers(spec, p, g, states)
     arr, rows, row_len = state_slots(spec, p, states, tables)
     call = PreparedCall(spec, p, g, states, dll, arr, rows, row_len, start)

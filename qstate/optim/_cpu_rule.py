@@ -9,7 +9,9 @@ graph's order, with inductor's CPU lowerings where they differ from eager (``ler
 powers by repeated squaring, ``maximum``/``minimum`` propagating a NaN of either side, ``sign(NaN) ==
 0``). Python numbers in the graph are float32 constants (rounded once, as inductor's ``ops.constant``).
 
-What it writes: ``rule_consts_t`` and ``rule_consts(h)``, the values that depend on the scalars alone
+What it writes: ``RULE_KEEPS_PARAM`` (1 where the math returns its ``p`` as it is: the kernel then never
+writes the parameter buffer, so state writers pass the values they encode as ``p`` and ``g``),
+``rule_consts_t`` and ``rule_consts(h)``, the values that depend on the scalars alone
 (computed once per row segment), and ``rule(p, g, s, h, c)``, one element: ``p``, ``g`` and the decoded
 states ``s[i]`` (in ``rule.states`` order) in, the new states written to ``s[i]``, the new parameter
 returned. Scalars are read from the hyper vector by their index in ``rule.scalar_names``.
@@ -355,6 +357,8 @@ def _generate(rule: UpdateRule, flags: tuple) -> RuleSource:
                    for n in fields}
     lines = [f"/* the update rule {rule.name!r}, flags {dict(flags)}: generated from its math by "
              f"qstate/optim/_cpu_rule.py */", _HELPERS]
+    # math returning its ``p`` as it is: the kernel never writes the parameter buffer (which may be read-only)
+    lines.append(f"#define RULE_KEEPS_PARAM {int(c_name.get(outputs[0]) == 'p')}")
     lines.append("typedef struct {")
     lines += [f"    {field_types[n]} {f}; /* {c_name[n]} */" for n, f in fields.items()]
     lines.append("    int unused_;")

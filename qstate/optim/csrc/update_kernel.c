@@ -4,7 +4,8 @@
  * prepends the update rule's C, generated from its math for the spec's rule and static flags
  * (qstate/optim/_cpu_rule.py: ``rule_consts_t``; ``rule_consts(h)``, the values of the scalars alone, once
  * per row segment; ``rule(p, g, s, h, c)``, one element: the decoded states s[] in, the new states in s[],
- * the new p returned), and before it this configuration:
+ * the new p returned; ``RULE_KEEPS_PARAM``: the rule returns p as it is, and p is never written), and before
+ * it this configuration:
  *
  *   PARAM_BF16, GRAD_BF16                parameter / gradient stored as bfloat16 (the parameter
  *                                        is written rounded to nearest even, or with PARAM_SR
@@ -1076,7 +1077,9 @@ static void update_segment(param_t *restrict p, const grad_t *restrict g, const 
             float s[NSTATES];
             FOR_STATES(LOAD_STATE)
             const float new_p = rule(load_p(pp[j]), load_g(gp[j]), s, h, &consts);
-#if PARAM_SR
+#if RULE_KEEPS_PARAM
+            (void)new_p; /* p is read only: a state writer's source values */
+#elif PARAM_SR
             const uint32_t lo = lo0 + (uint32_t)j;
             pp[j] = store_p_sr(new_p, param_draw(key, lo, hi0 + (lo < lo0)));
 #else
@@ -1131,3 +1134,25 @@ void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float 
     int64_t first[2];
     qstate_update_many(1, &p, &g, st, h, &rows, &row_len, first, nthreads, &key, &start);
 }
+
+/* State 0's values qmap[code] * scale (its decode in the update, alone), rows x row_len into ``out``
+ * (float32, contiguous), block by block: the state readers' decode (qstate/optim/_cpu_encode.py). */
+void qstate_decode(float *out, const qstate_t *st, int64_t rows, int64_t row_len, int nthreads) {
+#if S0_PLAIN
+    (void)out, (void)st, (void)rows, (void)row_len, (void)nthreads;
+#else
+    planes_t planes[1];
+    if (S0_BITS == 8) make_planes(st[0].qmap, planes);
+    const int64_t blocks = (row_len + S0_BS - 1) / S0_BS;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t it = 0; it < rows * blocks; it++) {
+        const int64_t r = it / blocks, col = (it % blocks) * S0_BS;
+        const int64_t n = (row_len - col) < S0_BS ? (row_len - col) : S0_BS;
+        const float sc = st[0].scale[r * st[0].scale_stride + col / S0_BS];
+        const uint8_t *restrict cp = st[0].codes + r * st[0].code_stride;
+        if (S0_BITS == 8) decode8(cp + col, n, st[0].qmap, planes, sc, S0_FP8, out + r * row_len + col);
+        else decode4(cp + col / 2, n, st[0].qmap, sc, out + r * row_len + col);
+    }
+#endif
+}
+

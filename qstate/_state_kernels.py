@@ -1,0 +1,55 @@
+"""Device kernels that encode values into a state and decode a state's values, registered by device type.
+
+A :class:`~qstate.QuantizedState`'s ``dequantize``, ``copy_`` of values into a state and
+:func:`qstate.quantize` run the formats' torch ops (:meth:`~qstate.formats.BlockFormat.encode` and
+``decode``) unless the kernels registered for the state's device type take the call
+(:meth:`StateKernels.encodes`, :meth:`StateKernels.decodes`); ``import qstate`` registers the C kernel's
+for CPU states. Registered kernels write exactly the codes and scales the formats' encode writes and
+read exactly the values their decode reads, and raise before writing anything when a buffer is not
+what they take.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["StateKernels", "kernels_for", "register_state_kernels"]
+
+
+class StateKernels(Protocol):
+    def encodes(self, q: Any, values: Tensor) -> bool:
+        """Whether :meth:`encode_into` takes ``values`` (``q``'s shape, on ``q``'s device) for ``q``."""
+
+    def encode_into(self, q: Any, values: Tensor) -> None:
+        """Write ``values`` into ``q``'s codes and scales in place (``q``'s layout and rounding)."""
+
+    def decodes(self, q: Any) -> bool:
+        """Whether :meth:`decode` takes ``q``."""
+
+    def decode(self, q: Any) -> Tensor:
+        """``q``'s values: a new float32 tensor of ``q.rows * q.row_len`` elements."""
+
+
+#: device type -> the kernels registered for states on it
+_KERNELS: dict[str, StateKernels] = {}
+
+
+def register_state_kernels(device_type: str, kernels: StateKernels) -> None:
+    """Register ``kernels`` for states on ``device_type`` (replacing earlier ones)."""
+    _KERNELS[device_type] = kernels
+
+
+def kernels_for(q: Any) -> Optional[StateKernels]:
+    """The kernels registered for ``q``'s device type, if any; none for a fake, meta or subclass state, while
+    tracing, or under a dispatch mode (the kernels read and write real buffers, outside torch's dispatch;
+    there the formats' torch ops run)."""
+    codes = q.codes
+    if type(codes) is not Tensor or codes.is_meta or is_fake(codes) or torch.compiler.is_compiling() \
+            or _get_current_dispatch_mode() is not None:
+        return None
+    return _KERNELS.get(codes.device.type)
