@@ -7,6 +7,7 @@ from typing import Any, Callable
 from qstate.launch import run_ranks
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raise on any failure."""
-    run_ranks(fn, world_size, *args, backend="gloo")
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raise on any failure
+    (``timeout``: the process group's, in seconds: a collective left waiting raises)."""
+    run_ranks(fn, world_size, *args, backend="gloo", timeout=timeout)

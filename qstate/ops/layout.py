@@ -135,6 +135,17 @@ def _split(func, args, kwargs):
     return return_and_correct_aliasing(func, args, kwargs, outs)
 
 
+# DTensor's gather of uneven shards (unpadding the gathered rows), user torch.chunk along dim 0
+@register(aten.chunk.default)
+def _chunk(func, args, kwargs):
+    q, chunks = args[0], args[1]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    norm_dim(dim, q.dim(), "chunk", q)
+    sizes = [c.shape[0] for c in torch.empty(q.shape[0], 0).chunk(chunks)]  # torch.chunk's sizes
+    outs = [slice_state(q, a, b) for a, b in _split_points(q.shape[0], sizes)]
+    return return_and_correct_aliasing(func, args, kwargs, outs)
+
+
 # DTensor/FSDP reassembling shards along dim 0, user torch.cat of states
 @register(aten.cat.default)
 def _cat(func, args, kwargs):
