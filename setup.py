@@ -28,6 +28,9 @@ setup(
             "lightning",
             "torchtitan; python_version >= '3.11'",
             "triton; python_version >= '3.11' and platform_system == 'Linux'",
+            # optimizer libraries stepping on qstate's states (test/integrations/test_optimizer_libraries.py)
+            "heavyball",
+            "pytorch-optimizer",
         ],
     },
 )

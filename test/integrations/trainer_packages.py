@@ -1,4 +1,4 @@
-"""The trainers' integration tests run with the real packages of ``pip install -e ".[integrations]"``.
+"""The integration tests run with the real trainers and optimizer libraries of ``pip install -e ".[integrations]"``.
 
 Without them each test skips, naming the package. ``.ci/run`` installs the extra and sets
 ``QSTATE_REQUIRE_INTEGRATIONS=1``, under which a missing package is an error, never a skip.
