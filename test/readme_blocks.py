@@ -21,8 +21,9 @@ class Block(NamedTuple):
     needs: Optional[str]
 
 
-def readme_blocks(lang: str) -> list[Block]:
-    with open(README, encoding="utf-8") as f:
+def readme_blocks(lang: str, path: str = README) -> list[Block]:
+    """The ``lang`` blocks of the markdown file ``path`` (default: README.md), in order."""
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     return [Block(lang, code, needs or None)
             for needs, code in re.findall(rf"(?:<!-- needs: (\S+) -->\n)?^```{lang}\n(.*?)^```$", text, re.S | re.M)]

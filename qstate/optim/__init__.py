@@ -6,7 +6,7 @@ update rule's math, its ``torch.optim.Optimizer`` class and its functional form;
 ``qstate.optim.functional`` collects the functional forms, which update caller-owned states. The
 classes share one base, :class:`QuantizedOptimizer` (state policy, lr handling, stochastic rounding,
 state_dict; :func:`convert_state_dict` rewrites a state dict for another policy or for
-``torch.optim``). Elementwise rules (an :class:`~._rules.UpdateRule`, registered by name) step
+``torch.optim``). Elementwise rules (an :class:`~.rules.UpdateRule`, registered by name) step
 through ``_step.apply_update``: with ``compile=True`` one ``qstate::fused_update`` call per device
 and variant, whose kernels (the C kernel on CPU, inductor's, or the rule's math op by op) are chosen in
 ``_fused_op.py``. Muon's update is not elementwise (Newton-Schulz of the whole matrix): it runs op
@@ -24,7 +24,7 @@ from ._cpu_kernel import cpu_kernel_enabled
 from ._base import STATE_FORMATS, QuantizedOptimizer
 from ._convert import convert_state_dict
 from ._param_rounding import stochastic_round_bf16
-from ._rules import StateSpec, UpdateRule, register_rule
+from .rules import StateSpec, UpdateRule, register_rule
 from .adam import Adam, AdamW, adam_bound, adam_update_bound
 from .ademamix import AdEMAMix
 from .lion import Lion

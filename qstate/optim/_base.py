@@ -1,6 +1,6 @@
 """``QuantizedOptimizer``: the state plumbing shared by every optimizer of ``qstate.optim``.
 
-A subclass names its :class:`~qstate.optim._rules.UpdateRule`, its defaults,
+A subclass names its :class:`~qstate.optim.rules.UpdateRule`, its defaults,
 argument checks and static flags; everything else lives here:
 
 * **policy** (per parameter, decided once, the same on every rank, from the
@@ -116,7 +116,7 @@ from ..formats.map_formats import legacy_map_name
 from . import _step
 from ._arguments import FOREACH, FUSED, check_path, update_path
 from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
-from ._rules import UpdateRule
+from .rules import UpdateRule
 from ._state_kind import StateKind
 
 __all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "POLICY_OPTIONS", "STOCHASTIC_BY_DEFAULT",
@@ -211,7 +211,10 @@ class _GroupStep(NamedTuple):
 
 
 class QuantizedOptimizer(torch.optim.Optimizer):
-    """Base of qstate's optimizers. Subclasses set :attr:`rule` and implement :meth:`_flags`."""
+    """Base of qstate's optimizers. A subclass sets :attr:`rule` (a registered
+    :class:`~qstate.optim.rules.UpdateRule`), passes its hyperparameters as ``defaults`` and the state
+    options to ``__init__``, and overrides :meth:`rule_flags` where its rule has static flags beyond
+    ``maximize``."""
 
     rule: UpdateRule
     #: torch.amp.GradScaler passes grad_scale/found_inf instead of unscaling the gradients
@@ -269,7 +272,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         quantized format (None if they did not), and how many states it keeps."""
         index = 0
         for group in self.param_groups:
-            n_states = len(self.rule.states(self._flags(group)))
+            n_states = len(self.rule.states(self.rule_flags(group)))
             fmt = group["state_format"]
             for p in group["params"]:
                 kind = self.plan(p, group, index)
@@ -366,9 +369,11 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 group["seed"] = agreed
 
     # ------------------------------------------------------------------ subclass hooks
-    def _flags(self, group: dict) -> dict:
-        """Static flags of ``group`` (part of the compiled kernel's kind)."""
-        raise NotImplementedError
+    def rule_flags(self, group: dict) -> dict:
+        """The rule's static flags for ``group``: Python values that choose its math (each set of them is
+        traced and compiled apart, so never a per-step value). Default: ``{"maximize": group["maximize"]}``
+        (False where the group has no ``maximize``)."""
+        return {"maximize": bool(group.get("maximize", False))}
 
     # ------------------------------------------------------------------ policy
     @staticmethod
@@ -468,7 +473,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _new_states(self, p: Tensor, group: dict, index: int) -> dict:
         kind = self.plan(p, group, index)
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for spec in self.rule.states(self._flags(group)):
+        for spec in self.rule.states(self.rule_flags(group)):
             state[spec.name] = self._zero_state(p.detach(), kind, spec.signed, group)
         return state
 
@@ -489,7 +494,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         format's map), so that no kernel reads a state past its buffers."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
-        specs = {s.name: s for s in self.rule.states(self._flags(group))}
+        specs = {s.name: s for s in self.rule.states(self.rule_flags(group))}
         if name not in specs:
             raise ValueError(f"{what}: unexpected state; {type(self).__name__} keeps {sorted(specs)}")
         if not isinstance(value, Tensor):
@@ -568,7 +573,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             group = self._loaded_group(saved, current)
             self._check_group(group)
             check_path(name, group, self.compile)
-            names = [s.name for s in self.rule.states(self._flags(group))]
+            names = [s.name for s in self.rule.states(self.rule_flags(group))]
             for pid, p in zip(saved["params"], current["params"]):
                 entry = state_dict["state"].get(pid) or {}
                 what = self._describe(index, p)
@@ -659,7 +664,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             sr_devices: set[torch.device] = set()
             params, states, steps = [], [], []
             new: dict[Tensor, dict] = {}
-            names = [s.name for s in self.rule.states(self._flags(group))]
+            names = [s.name for s in self.rule.states(self.rule_flags(group))]
             states_sr = _rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
@@ -678,7 +683,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 continue
             index = index or self._param_index()
             path = update_path(group, self.compile)
-            update = _step.prepare_update(self.rule, self._flags(group), params, [p.grad for p in params], states,
+            update = _step.prepare_update(self.rule, self.rule_flags(group), params, [p.grad for p in params], states,
                                           steps, group, lr=group["lr"], compile=path == FUSED,
                                           foreach=path == FOREACH,
                                           stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,

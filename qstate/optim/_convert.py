@@ -138,7 +138,7 @@ def _to_policy(optimizer: QuantizedOptimizer, p: Tensor, group: dict, index: int
                what: str) -> dict:
     """One parameter's states as ``optimizer`` creates them for ``group`` (see ``_new_states``)."""
     kind = optimizer.plan(p, group, index)
-    specs = optimizer.rule.states(optimizer._flags(group))
+    specs = optimizer.rule.states(optimizer.rule_flags(group))
     values = _tensor_states(entry, what)
     keeps = [s.name for s in specs] + ["step"]
     for n in values:

@@ -20,7 +20,7 @@ from .._state_kernels import register_state_kernels
 from . import _cpu_kernel
 from ._codec import get_codec
 from ._kernels import KernelSpec
-from ._rules import StateSpec, UpdateRule, register_rule
+from .rules import StateSpec, UpdateRule, register_rule
 from ._state_kind import StateKind
 
 __all__ = ["WRITE", "CPUStateKernels"]

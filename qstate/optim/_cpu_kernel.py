@@ -79,7 +79,7 @@ from ._codec import _code_thresholds, _floats, get_codec
 from ._cpu_build import compiler as _compiler, load as _load_library
 from ._cpu_rule import UnsupportedRule, rule_source
 from ._prepared import PreparedUpdate
-from ._rules import RULES
+from .rules import RULES
 from ._state_kind import StateKind
 
 __all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared"]

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-from ._rules import UpdateRule
+from .rules import UpdateRule
 
 __all__ = ["RuleSource", "SUPPORTED", "UnsupportedRule", "rule_source"]
 

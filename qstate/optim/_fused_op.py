@@ -43,7 +43,7 @@ from .._state import QuantizedState
 from . import _cpu_kernel
 from ._kernels import KernelSpec, fusable, run_compiled
 from ._prepared import PreparedUpdate, registered_call
-from ._rules import RULES, UpdateRule
+from .rules import RULES, UpdateRule
 from ._update import update_eagerly
 
 __all__ = ["UpdateVariant", "PendingCalls", "variant_name", "eager_variant", "fused_variant", "fused_update", "KERNELS", "update_cpu",

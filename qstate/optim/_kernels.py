@@ -71,7 +71,7 @@ from ..formats import block_absmax, get_format
 from . import _cpu_kernel
 from ._codec import Codec, get_codec
 from ._prepared import PreparedUpdate
-from ._rules import RULES, UpdateRule
+from .rules import RULES, UpdateRule
 from ._state_kind import StateKind
 from ._param_rounding import store_param
 

@@ -1,4 +1,4 @@
-"""The engine of every optimizer step: :func:`apply_update` of an :class:`~._rules.UpdateRule` over
+"""The engine of every optimizer step: :func:`apply_update` of an :class:`~.rules.UpdateRule` over
 caller-owned states.
 
 The functional forms (``qstate.optim.functional``) and the optimizer classes call it;
@@ -93,7 +93,7 @@ from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_misma
 from . import _cpu_kernel
 from ._fused_op import eager_variant, fused_update, fused_variant, variant_name
 from ._kernels import KernelSpec
-from ._rules import RULES, UpdateRule
+from .rules import RULES, UpdateRule
 from ._update import update_eagerly
 
 __all__ = ["SMALL_PLAIN_NUMEL", "PendingUpdate", "apply_update", "check_grad", "check_lists", "next_step", "prepare_update",

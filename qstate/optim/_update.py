@@ -11,7 +11,7 @@ from .._dtensor import rounds_stochastically
 from .._library import copy_with_draws_
 from .._random import flat_index, key_draws, position_hash32, state_key
 from ._param_rounding import store_param
-from ._rules import UpdateRule
+from .rules import UpdateRule
 
 __all__ = ["update_eagerly", "write_states"]
 

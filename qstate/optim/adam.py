@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ._arguments import LR, check_betas, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
-from ._rules import StateSpec, UpdateRule, add, addcdiv, addcmul, gradient, is_tensor, register_rule
+from .rules import StateSpec, UpdateRule, add, addcdiv, addcmul, gradient, is_tensor, register_rule
 from ._step import Scalar, apply_update, check_lists
 
 __all__ = ["ADAM", "Adam", "AdamW", "adam", "adam_bound", "adam_update_bound", "adamw"]
@@ -125,7 +125,7 @@ class Adam(QuantizedOptimizer):
         check_non_negative(name, "weight_decay value", group["weight_decay"])
         check_implementation(name, group)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"amsgrad": bool(group["amsgrad"]), "maximize": bool(group["maximize"]),
                 "decoupled": bool(group["decoupled_weight_decay"])}
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ._arguments import LR, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
-from ._rules import StateSpec, UpdateRule, add, addcmul, gradient, is_tensor, register_rule
+from .rules import StateSpec, UpdateRule, add, addcmul, gradient, is_tensor, register_rule
 from ._step import Scalar, apply_update, check_lists
 
 __all__ = ["ADEMAMIX", "AdEMAMix", "ademamix", "alpha_at", "beta3_at"]
@@ -132,7 +132,7 @@ class AdEMAMix(QuantizedOptimizer):
                 raise ValueError(f"{name}: invalid {warmup}: {value!r}: expected None or a positive int")
         check_implementation(name, group)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"maximize": bool(group["maximize"]), "fast": group["betas"][0] != 0}
 
 

@@ -7,7 +7,7 @@ with ``qstate.zeros_like(p, fmt, signed=..., dtype=torch.float32)``; second mome
 optimizers give ``4bit`` first moments ``rounding="stochastic"``) or DTensors over either. Each
 quantized state is written with its own rounding mode. Other optimizer libraries can call these
 with their own state tensors, or :func:`apply_update` with their own
-:class:`~qstate.optim._rules.UpdateRule`. Each function lives with its optimizer's rule and class
+:class:`~qstate.optim.rules.UpdateRule`. Each function lives with its optimizer's rule and class
 (``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``, ``muon.py``); the paths an update takes are described in ``_step.py``.
 """
 

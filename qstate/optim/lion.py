@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._arguments import LR, check_betas, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
-from ._rules import StateSpec, UpdateRule, add, gradient, is_tensor, register_rule
+from .rules import StateSpec, UpdateRule, add, gradient, is_tensor, register_rule
 from ._step import Scalar, apply_update, check_lists
 
 __all__ = ["LION", "Lion", "lion"]
@@ -65,7 +65,7 @@ class Lion(QuantizedOptimizer):
         check_non_negative(name, "weight_decay value", group["weight_decay"])
         check_implementation(name, group)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"maximize": bool(group["maximize"])}
 
 

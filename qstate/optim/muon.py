@@ -3,7 +3,7 @@
 Muon (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural
 networks") updates a 2-D parameter with the orthogonalized momentum of its
 gradient. Its update is not elementwise (Newton-Schulz needs the whole
-matrix), so it lives here, outside the elementwise rules of ``_rules.py``,
+matrix), so it lives here, outside the elementwise rules of ``rules.py``,
 and always runs op by op.
 
 Semantics are ``torch.optim.Muon``'s (``torch/optim/_muon.py``), step by step:
@@ -57,7 +57,7 @@ from ._base import QuantizedOptimizer
 from . import _step
 from ._arguments import check_betas, check_lr, check_non_negative
 from .._random import ParamKeys
-from ._rules import RULES, StateSpec
+from .rules import RULES, StateSpec
 from ._update import write_states
 
 __all__ = ["Muon", "muon", "zeropower_via_newtonschulz", "adjust_lr", "ADJUST_LR_FNS"]
@@ -357,7 +357,7 @@ class Muon(QuantizedOptimizer):
         else:
             _check_adamw_group("Muon (AdamW group)", group)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"muon": True} if group["use_muon"] else dict(_ADAMW_FLAGS)
 
     def _check_loaded(self, state_dict: dict) -> None:
@@ -410,7 +410,7 @@ class Muon(QuantizedOptimizer):
             if not params:
                 continue
             new = {p: self._new_states(p, group, index[p]) for p in params if not self.state.get(p)}
-            names = [s.name for s in self.rule.states(self._flags(group))]
+            names = [s.name for s in self.rule.states(self.rule_flags(group))]
             full = [new.get(p) or self.state[p] for p in params]
             states = [[st[n] for n in names] for st in full]
             steps = [st["step"] for st in full]
@@ -423,7 +423,7 @@ class Muon(QuantizedOptimizer):
                                        ns_steps=group["ns_steps"], eps=group["eps"],
                                        adjust_lr_fn=group["adjust_lr_fn"], owner="Muon", indices=indices)
             else:
-                update = _step.prepare_update(RULES["adam"], self._flags(group), params, grads, states, steps, group,
+                update = _step.prepare_update(RULES["adam"], self.rule_flags(group), params, grads, states, steps, group,
                                               lr=group["lr"], compile=self.compile, owner="Muon", indices=indices)
             work.append((gi, group, steps, new, update))
         return work

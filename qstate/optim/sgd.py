@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._arguments import LR, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
-from ._rules import StateSpec, UpdateRule, add, gradient, is_tensor, register_rule
+from .rules import StateSpec, UpdateRule, add, gradient, is_tensor, register_rule
 from ._step import Scalar, apply_update, check_lists
 
 __all__ = ["SGD", "SGD_RULE", "sgd"]
@@ -81,7 +81,7 @@ class SGD(QuantizedOptimizer):
             raise ValueError(f"{name}: nesterov momentum requires a momentum and zero dampening")
         check_implementation(name, group)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"maximize": bool(group["maximize"]), "momentum": group["momentum"] != 0,
                 "nesterov": bool(group["nesterov"])}
 

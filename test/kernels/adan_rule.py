@@ -66,7 +66,7 @@ class Adan(QuantizedOptimizer):
                          state_format=state_format, block_size=block_size, min_quantize_numel=min_quantize_numel,
                          bf16_stochastic_round=False, compile=compile, seed=seed)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {"maximize": bool(group["maximize"])}
 
 

@@ -22,7 +22,7 @@ from qstate.optim import QuantizedOptimizer, StateSpec, UpdateRule, cpu_kernel_e
 from qstate.optim import functional as F
 from qstate.optim import _cpu_kernel, _cpu_rule
 from qstate.optim._kernels import KernelSpec
-from qstate.optim._rules import RULES
+from qstate.optim.rules import RULES
 
 from adan_rule import ADAN, Adan, adan_math, adan_reference_step
 
@@ -233,7 +233,7 @@ class OpZoo(QuantizedOptimizer):
         super().__init__(params, dict(lr=lr, w=w), state_format=state_format, block_size=None,
                          min_quantize_numel=1, bf16_stochastic_round=False, compile=True, seed=0)
 
-    def _flags(self, group: dict) -> dict:
+    def rule_flags(self, group: dict) -> dict:
         return {}
 
 

@@ -352,7 +352,7 @@ def test_calls_leave_with_their_parameters_and_states(kernel):
     per_model = 2 if kernel == "c" else 1  # the inductor kernel leaves the small bias to the eager math
     assert _prepared.prepared_calls() == 2 * per_model  # the reference's too
     p = ps[0]
-    rule_key = ("adam", tuple(sorted(opt._flags(opt.param_groups[0]).items())), False)
+    rule_key = ("adam", tuple(sorted(opt.rule_flags(opt.param_groups[0]).items())), False)
     states = [opt.state[p][n] for n in ("exp_avg", "exp_avg_sq")]
     assert _valid_call(rule_key, p, states)
     with cpu_kernel_enabled(kernel != "c"):  # the other kernel would run this update: the call is not valid
