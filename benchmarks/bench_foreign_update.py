@@ -9,7 +9,11 @@ and the parameter update ``p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)``:
 * ``op by op, <fmt> states``: the ops straight on quantized states (each
   in-place op decodes and re-encodes its state);
 * ``update_states, <fmt> states``: the same ops inside
-  ``qstate.update_states([m, v])`` (one decode and one encode per state).
+  ``qstate.update_states([m, v])`` (one decode and one encode per state);
+* ``Adafactor, fp32 / <fmt> first moment``: Adafactor's step (factored second
+  moment as row and column means, plain; its first moment ``m.lerp_(u, 0.1)``)
+  written op by op, the first moment plain or quantized (as in
+  ``docs/extending.md``, without ``update_states``).
 
 Also printed: the error of each quantized candidate's moments against the fp32
 op-by-op moments after ``--steps`` steps (one requantize per step against one
@@ -37,6 +41,15 @@ def moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
 
 def param_update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
     p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+
+
+def adafactor_step(p: torch.Tensor, g: torch.Tensor, row: torch.Tensor, col: torch.Tensor, m: torch.Tensor) -> None:
+    sq = g.square() + 1e-30
+    row.lerp_(sq.mean(dim=1), 1e-3)
+    col.lerp_(sq.mean(dim=0), 1e-3)
+    update = g * (row.unsqueeze(1) * col.unsqueeze(0) / row.mean()).rsqrt()
+    m.lerp_(update, 0.1)
+    p.add_(m, alpha=-1e-3)
 
 
 def main() -> None:
@@ -80,6 +93,12 @@ def main() -> None:
                         moments(mw, vw, g)
                     param_update(p, mw, vw)
             steps[f"{how}, {fmt} states"] = step
+
+    for fmt in ["fp32"] + parse_list(args.formats):
+        p = torch.randn(shape, generator=gen)
+        row, col = torch.zeros(shape[0]), torch.zeros(shape[1])
+        m = torch.zeros(shape) if fmt == "fp32" else qstate.zeros_like(p, fmt)
+        steps[f"Adafactor, {fmt} first moment"] = lambda p=p, row=row, col=col, m=m: adafactor_step(p, g, row, col, m)
 
     # the error after --steps steps, against fp32 op-by-op moments from zero
     ref_m, ref_v = torch.zeros(shape), torch.zeros(shape)

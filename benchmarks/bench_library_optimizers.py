@@ -6,7 +6,11 @@ moments, whose names hold ``sq``, unsigned), stepping through qstate's ops on th
 ``torch.optim.AdamW(fused=True)``. Needs ``pip install -e ".[integrations]"`` (heavyball,
 pytorch-optimizer). Timing: interleaved rounds, medians (``_common.py``).
 
+heavyball compiles its step by default (``torch.compile``, where the states' encode and decode are
+the formats' torch ops); ``--heavyball-eager`` sets ``heavyball.utils.compile_mode = None``.
+
     python benchmarks/bench_library_optimizers.py [--shape 2048x2048] [--repeats 5] [--threads N]
+                                                  [--heavyball-eager]
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--heavyball-eager", action="store_true", help="heavyball without torch.compile")
     args = ap.parse_args()
+    if args.heavyball_eager:
+        heavyball.utils.compile_mode = None
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = tuple(int(x) for x in args.shape.split("x"))
