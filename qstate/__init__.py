@@ -15,7 +15,9 @@ the DTensor rules of qstate's own operators (``qstate::fused_update``,
 ``qstate::copy_with_draws_``), which is all
 qstate's states and optimizers need. It changes no DTensor rule of a torch op:
 qstate's replacements of those (the upstream patch series, applied at run
-time) are opt-in, :func:`qstate.dtensor_rules.install`.
+time) are opt-in, :func:`qstate.dtensor_rules.install`. (3) It imports
+:mod:`qstate.optim`, which registers the C kernel's encode and decode of CPU
+states (:mod:`qstate._state_kernels`).
 """
 
 import torch
