@@ -106,15 +106,18 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
         check_nonnegative(x.detach(), "quantize(signed=False)")
     rows, row_len = row_layout(x.shape)
     qmap = _make_qmap(f, signed, x)
-    if not torch._subclasses.fake_tensor.is_fake(x) and x.device.type != "meta":
-        q = zeros_like(x, fmt, signed=signed, block_size=bs, rounding=rounding)
+
+    def state(codes: Tensor, scale: Tensor) -> QuantizedState:
+        return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
+                              row_len=row_len, shape=x.shape, dtype=x.dtype, rounding=rounding)
+
+    if not torch._subclasses.fake_tensor.is_fake(x):  # (a meta x gives meta parts, which no kernel takes)
+        q = state(*zero_parts(f, rows, row_len, bs, signed, x.device))
         kernels = kernels_for(q)
         if kernels is not None and kernels.encodes(q, x):  # the same codes and scales
             kernels.encode_into(q, x.detach())
             return q
-    codes, scale = _encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding)
-    return QuantizedState(codes, scale, qmap, format=f.name, signed=signed, block_size=bs,
-                          row_len=row_len, shape=x.shape, dtype=x.dtype, rounding=rounding)
+    return state(*_encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding))
 
 
 def zero_parts(f: BlockFormat, rows: int, row_len: int, block_size: int, signed: bool,

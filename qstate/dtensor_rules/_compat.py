@@ -90,17 +90,15 @@ def run_per_rank(fn: Callable[..., Any]) -> Callable[..., Any]:
     return maybe_run_for_local_tensor(fn)
 
 
-def dispatch_as_torch(op: Any, args: tuple, kwargs: dict,
-                      around_local: Callable[[tuple, Any], Any] = lambda args, op_info: contextlib.nullcontext()) -> Any:
+def dispatch_as_torch(op: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``op`` on DTensors through torch's own path from a ``_custom_op_handlers`` entry: the steps
     DTensor's dispatch takes for an op without a handler (propagation, redistribution, the local op,
-    the output's wrapping), with the local op inside ``around_local(args, op_info)``."""
+    the output's wrapping)."""
     d = dispatcher()
     op_info = d.unwrap_to_op_info(op, args, kwargs)
     d.sharding_propagator.propagate(op_info)
     mesh = op_info.compute_mesh
-    with around_local(args, op_info):
-        local = d._dispatch_get_local_results_slow_path(op, args, op_info)
+    local = d._dispatch_get_local_results_slow_path(op, args, op_info)
     schema, sharding = op_info.schema, op_info.output_sharding
     inplace, out = schema.is_inplace_op(), schema.is_out_variant_op()
     if sharding.output_spec is not None and not (inplace or out):  # a new output: DTensor wraps it

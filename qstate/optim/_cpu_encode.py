@@ -51,9 +51,8 @@ class CPUStateKernels:
     """:class:`qstate._state_kernels.StateKernels` of CPU states: the C kernel (module docstring)."""
 
     def encodes(self, q: QuantizedState, values: Tensor) -> bool:
-        if q.rounding != "nearest" or values.dtype not in _cpu_kernel._DTYPES or values.device.type != "cpu":
-            return False
-        return _takes(q, values.dtype)
+        # the values' dtype: the kernel spec's parameter dtype, which _cpu_kernel.supports checks
+        return q.rounding == "nearest" and values.device.type == "cpu" and _takes(q, values.dtype)
 
     def encode_into(self, q: QuantizedState, values: Tensor) -> None:
         x = values.detach().contiguous().view(-1)
