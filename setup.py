@@ -8,8 +8,8 @@ setup(
         "that DTensor and FSDP2 run natively"
     ),
     packages=find_packages(include=["qstate", "qstate.*"]),
-    # the CPU update kernel's C source, compiled on first use (qstate/optim/_cpu_kernel.py)
-    package_data={"qstate.optim": ["csrc/*.c"]},
+    # the C kernel's source, compiled on first use (qstate/optim/_engine/cpu/kernel.py)
+    package_data={"qstate.optim._engine.cpu": ["csrc/*.c"]},
     python_requires=">=3.10",
     # the oldest torch CI tests (.ci/run runs the suite on it and on the newest pip resolves)
     install_requires=["torch>=2.13.0"],

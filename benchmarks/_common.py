@@ -174,7 +174,7 @@ def kernel_vector_paths() -> str:
     ``"portable"`` (the compiler's predefined macros under the kernel's flags), or ``"no compiler"``."""
     import subprocess
 
-    from qstate.optim import _cpu_build
+    from qstate.optim._engine.cpu import build as _cpu_build
 
     cc = _cpu_build.compiler()
     if cc is None:

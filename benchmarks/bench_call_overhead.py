@@ -39,8 +39,9 @@ import sys
 import torch
 
 from _common import RESULTS_DIR, environment, median_ms, parse_list, save_json, time_interleaved
-from qstate.optim import AdamW, _kernels, cpu_kernel_enabled
-from qstate.optim._prepared import clear_prepared_calls
+from qstate.optim import AdamW, cpu_kernel_enabled
+from qstate.optim._engine import inductor as _kernels
+from qstate.optim._engine.prepared import clear_prepared_calls
 
 BASELINE = "torch fused"
 

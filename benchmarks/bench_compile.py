@@ -26,8 +26,8 @@ import torch
 from _common import (RESULTS_DIR, cold_compile_cache, environment, parse_list, save_json, target_line,
                      third_party_adamw8bit, timed)
 from qstate.optim import AdamW
-from qstate.optim._kernels import kernel_specs
-from qstate.optim._cpu_kernel import built_specs
+from qstate.optim._engine.inductor import kernel_specs
+from qstate.optim._engine.cpu.kernel import built_specs
 
 QSTATE = ("qstate 8bit", "qstate 4bit", "qstate fp8")
 #: suffix of the candidates with bfloat16 parameters rounded stochastically

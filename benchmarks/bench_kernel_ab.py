@@ -43,8 +43,8 @@ import torch
 
 from _common import parse_size
 from qstate.optim import AdamW
-from qstate.optim import _cpu_build
-from qstate.optim import _cpu_kernel as ck
+from qstate.optim._engine.cpu import build as _cpu_build
+from qstate.optim._engine.cpu import kernel as ck
 
 
 def _setup(fmt: str, numel: int):

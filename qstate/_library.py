@@ -7,7 +7,7 @@ owns its math, and its DTensor sharding strategy by :mod:`qstate.dtensor_rules`,
 so that package can name the op without importing the optimizers.
 
 * ``fused_update(params, grads, states, hyper, variant)``: one optimizer update of
-  each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._fused_op`),
+  each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._engine.op`),
   as torch's ``_fused_adamw_`` takes lists: one call (one DTensor dispatch) per
   step and parameter group, not per parameter. ``states`` is flat, the same
   number per parameter (:func:`states_per_param`): ``params[i]``'s are
@@ -40,7 +40,7 @@ so that package can name the op without importing the optimizers.
   their states with it op by op, so every path draws alike.
 * ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to
   bfloat16 with the integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape
-  (kernel: :mod:`qstate.optim._param_rounding`, DTensor strategy:
+  (kernel: :mod:`qstate.optim._engine.param_rounding`, DTensor strategy:
   :mod:`qstate.dtensor_rules._rounding_ops`). Its kernel reinterprets bits with
   ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's
   own rule, whatever torch's rule for ``view(dtype)`` is.

@@ -113,5 +113,5 @@ def test_a_warm_step_of_dtensor_shards_calls_one_way(fmt):
     opt = _warm(params, fmt, compile=True)
     calls = _Calls()
     calls.step(opt)
-    assert ("qstate.optim._step", "qstate.optim._fused_op") in calls.pairs  # through DTensor's dispatch
+    assert ("qstate.optim._engine.step", "qstate.optim._engine.op") in calls.pairs  # through DTensor's dispatch
     assert calls.both_ways() == []

@@ -3,7 +3,7 @@
 A state's rounding mode is fixed at construction (``QuantizedState.rounding``);
 this module holds the one implementation of stochastic rounding, shared by
 the eager encode (``MapFormat.code_of``) and the compiled kernels
-(``qstate.optim._codec.Codec.encode``), which both call
+(``qstate.formats._codec.Codec.encode``), which both call
 :func:`stochastic_code` with the nearest code they computed their own way.
 
 Stochastic rounding (the spec; a C implementation must follow it bit for bit)

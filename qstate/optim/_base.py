@@ -113,11 +113,11 @@ from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import FORMATS, ROUNDINGS, get_format
 from ..formats.map_formats import legacy_map_name
-from . import _step
+from ._engine import step as _step
 from ._arguments import FOREACH, FUSED, check_path, update_path
 from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
 from .rules import UpdateRule
-from ._state_kind import StateKind
+from ._engine.spec import StateKind
 
 __all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "POLICY_OPTIONS", "STOCHASTIC_BY_DEFAULT",
            "state_rounding"]

@@ -24,7 +24,7 @@ from torch import Tensor
 from ._arguments import LR, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
 from .rules import StateSpec, UpdateRule, add, addcmul, gradient, is_tensor, register_rule
-from ._step import Scalar, apply_update, check_lists
+from ._engine import Scalar, apply_update, check_lists
 
 __all__ = ["ADEMAMIX", "AdEMAMix", "ademamix", "alpha_at", "beta3_at"]
 

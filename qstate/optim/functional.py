@@ -8,10 +8,10 @@ optimizers give ``4bit`` first moments ``rounding="stochastic"``) or DTensors ov
 quantized state is written with its own rounding mode. Other optimizer libraries can call these
 with their own state tensors, or :func:`apply_update` with their own
 :class:`~qstate.optim.rules.UpdateRule`. Each function lives with its optimizer's rule and class
-(``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``, ``muon.py``); the paths an update takes are described in ``_step.py``.
+(``adam.py``, ``ademamix.py``, ``lion.py``, ``sgd.py``, ``muon.py``); the paths an update takes are chosen in ``_engine/path.py``.
 """
 
-from ._step import apply_update
+from ._engine import apply_update
 from .adam import adam, adamw
 from .ademamix import ademamix
 from .lion import lion

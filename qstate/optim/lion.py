@@ -11,7 +11,7 @@ from torch import Tensor
 from ._arguments import LR, check_betas, check_implementation, check_lr, check_non_negative
 from ._base import QuantizedOptimizer
 from .rules import StateSpec, UpdateRule, add, gradient, is_tensor, register_rule
-from ._step import Scalar, apply_update, check_lists
+from ._engine import Scalar, apply_update, check_lists
 
 __all__ = ["LION", "Lion", "lion"]
 

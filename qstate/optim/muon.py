@@ -54,11 +54,11 @@ from torch import Tensor
 
 from .._dtensor import is_dtensor, rounds_stochastically
 from ._base import QuantizedOptimizer
-from . import _step
+from ._engine import step as _step
 from ._arguments import check_betas, check_lr, check_non_negative
 from .._random import ParamKeys
 from .rules import RULES, StateSpec
-from ._update import write_states
+from ._engine.eager import write_states
 
 __all__ = ["Muon", "muon", "zeropower_via_newtonschulz", "adjust_lr", "ADJUST_LR_FNS"]
 

@@ -435,7 +435,8 @@ def test_eager_bf16_stochastic_rounding_on_dtensors_draws_as_the_unsharded_step(
     # compile=True: the C kernel on Shard(0) / Replicate shards through qstate::fused_update with sr_keys;
     # with the C kernel off, the small plain states run op by op inside the op, on the shard, drawing by
     # its start (before, they ran op by op on the DTensor)
-    from qstate.optim import AdamW, _fused_op, cpu_kernel_enabled
+    from qstate.optim import AdamW, cpu_kernel_enabled
+    from qstate.optim._engine import op as _fused_op
 
     in_op: list = []
     eagerly = _fused_op.update_eagerly

@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import qstate
-from qstate.optim import _cpu_build, _cpu_kernel, cpu_kernel_enabled
-from qstate.optim._kernels import KernelSpec
-from qstate.optim._state_kind import StateKind
+from qstate.optim import cpu_kernel_enabled
+from qstate.optim._engine.cpu import build as _cpu_build, kernel as _cpu_kernel
+from qstate.optim._engine.spec import KernelSpec
+from qstate.optim._engine.spec import StateKind
 from qstate.optim import functional as F
 from rounding_keys import param_keys
 
@@ -474,7 +475,7 @@ def test_bf16_stochastic_rounding_of_params_in_the_c_kernel(fmt):
                qstate.zeros_like(p, fmt, signed=signed, dtype=torch.float32) for p in ps] for signed in (True, False)]
     cpu = torch.device("cpu")
     spec = KernelSpec.of("adam", _ADAMW_FLAGS, ps[0], [s[0] for s in states], True)
-    assert _cpu_kernel.supports(spec, cpu, torch.bfloat16)
+    assert _cpu_kernel.supports(spec, torch.bfloat16)
     for step in (1, 2):
         gs = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
         ref_ps = [p.float() for p in ps]
@@ -554,7 +555,7 @@ def test_in_register_encode_tables_give_the_packed_tables_codes(signed):
     # bits, then code = lower code c + (y > t_c), with the tables' t_zero = +0 for unsigned states;
     # emulated here on every threshold and its float neighbours, map entries, specials and values over
     # 9 decades, against Codec.encode
-    from qstate.optim._codec import get_codec
+    from qstate.formats._codec import get_codec
 
     codec = get_codec("8bit", signed, "cpu")
     binade, bucket, t = _cpu_kernel._binade_tables("8bit", signed)
@@ -823,7 +824,7 @@ def _map_inputs(fmt: str, specials: list, multiple: int, clamp: bool) -> torch.T
     """Inputs of a map format's vector-encode checker: every 512th float in [0, 1], each threshold and map
     value of both signednesses with its float neighbours, and ``specials``, all with both signs (clamped
     to [-1, 1] if ``clamp``), in a scrambled order (unrelated codes side by side); ``multiple`` divides the count."""
-    from qstate.optim._codec import _code_thresholds as code_thresholds, get_codec
+    from qstate.formats._codec import _code_thresholds as code_thresholds, get_codec
 
     sweep = torch.arange(0, 0x3F800001, 512, dtype=torch.int64).to(torch.int32).view(torch.float32)
     marks = [torch.tensor(specials)]
@@ -935,14 +936,14 @@ def _sr_state_codes(fmt: str, g: torch.Tensor, key: int, start: int) -> torch.Te
     bs = 64 if fmt == "4bit" else 100
     states = [qstate.zeros_like(p, fmt, signed=True, block_size=bs, dtype=torch.float32, rounding=SR),
               qstate.zeros_like(p, fmt, signed=False, block_size=bs, dtype=torch.float32)]
-    from qstate.optim._fused_op import fused_variant
+    from qstate.optim._engine.op import UpdateVariant
 
     spec = KernelSpec.of("adam", _ADAMW_FLAGS, p, states, False)
-    assert _cpu_kernel.supports(spec, p.device, g.dtype) and spec.keyed and not spec.param_sr
+    assert _cpu_kernel.supports(spec, g.dtype) and spec.keyed and not spec.param_sr
     # lr, grad_unscale, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, m_bound
     hyper = torch.tensor([1e-3, 1.0, 0.0, 0.999, 1e-8, 0.0, 1.0, 1.0, 1.0])
     with cpu_kernel_enabled(True):
-        torch.ops.qstate.fused_update([p], [g], states, hyper, fused_variant("adam", _ADAMW_FLAGS, False),
+        torch.ops.qstate.fused_update([p], [g], states, hyper, UpdateVariant("adam", _ADAMW_FLAGS, False).name,
                                       sr_keys=[key - 2**64 if key >= 2**63 else key], starts=[torch.tensor([start])])
     codes = states[0].codes
     if fmt == "4bit":
@@ -957,7 +958,7 @@ def test_state_stochastic_rounding_draws_by_position(fmt):
     # (state i = 0: the first moment); ragged rows (vector loops, then scalar tails) and a start just below
     # 2**32, so that the low word of n wraps inside a row (the carry into the high word)
     from qstate.formats import position_hash32, state_key, stochastic_code
-    from qstate.optim._codec import get_codec
+    from qstate.formats._codec import get_codec
 
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, 203, generator=gen) * 10 ** (2 * torch.rand(3, 203, generator=gen) - 1)
@@ -1055,12 +1056,12 @@ _ADAMW_FLAGS = (("amsgrad", False), ("decoupled", True), ("maximize", False))
 def _sr_adamw_op(ps, gs, states, sr_keys, starts=None, variant=None):
     """qstate::fused_update of bf16 AdamW with stochastic rounding (step 1 scalars) on plain tensors;
     ``starts``: ints (default 0 for each parameter)."""
-    from qstate.optim._fused_op import fused_variant
+    from qstate.optim._engine.op import UpdateVariant
     from qstate.optim.adam import ADAM
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     hyper = torch.tensor([1e-2, 1.0] + [ADAM.scalars(group, 1)[n] for n in ADAM.scalar_names[2:]])
-    variant = variant or fused_variant("adam", _ADAMW_FLAGS, True)
+    variant = variant or UpdateVariant("adam", _ADAMW_FLAGS, True).name
     starts = [torch.tensor([s]) for s in (starts or [0] * len(ps))]
     torch.ops.qstate.fused_update(ps, gs, [s for st in states for s in st], hyper, variant, sr_keys=sr_keys,
                                   starts=starts)
@@ -1115,7 +1116,7 @@ def test_sr_keys_on_tensors_the_fused_kernels_do_not_take_draw_by_place_op_by_op
 
 class TestSrKeysErrors(expecttest.TestCase):
     def test_sr_keys_need_a_stochastically_rounding_variant_and_change_nothing(self):
-        from qstate.optim._fused_op import fused_variant
+        from qstate.optim._engine.op import UpdateVariant
 
         ok = torch.zeros(10, 300, dtype=torch.bfloat16)
         g = torch.ones(10, 300, dtype=torch.bfloat16)
@@ -1130,6 +1131,6 @@ class TestSrKeysErrors(expecttest.TestCase):
         self.assertExpectedInline(error(lambda: _sr_adamw_op([ok], [g], st[:1], [1, 2])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 2 sr_keys, 1 starts""")
         # keys come with starts (a shard's draws need its place in the full tensor)
         hyper = torch.zeros(9)
-        self.assertExpectedInline(error(lambda: torch.ops.qstate.fused_update([ok], [g], st[0], hyper, fused_variant("adam", _ADAMW_FLAGS, True), sr_keys=[1])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 1 sr_keys, no starts""")
+        self.assertExpectedInline(error(lambda: torch.ops.qstate.fused_update([ok], [g], st[0], hyper, UpdateVariant("adam", _ADAMW_FLAGS, True).name, sr_keys=[1])), """ValueError: qstate::fused_update: expected one sr_key and start per param, got 1 params, 1 sr_keys, no starts""")
         for t, b in zip((ok, *st[0], *st[1]), before):
             assert torch.equal(t, b)

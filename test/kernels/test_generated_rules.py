@@ -20,8 +20,8 @@ import torch
 import qstate
 from qstate.optim import QuantizedOptimizer, StateSpec, UpdateRule, cpu_kernel_enabled, register_rule
 from qstate.optim import functional as F
-from qstate.optim import _cpu_kernel, _cpu_rule
-from qstate.optim._kernels import KernelSpec
+from qstate.optim._engine.cpu import kernel as _cpu_kernel, rule_source as _cpu_rule
+from qstate.optim._engine.spec import KernelSpec
 from qstate.optim.rules import RULES
 
 from adan_rule import ADAN, Adan, adan_math, adan_reference_step
@@ -57,7 +57,7 @@ def _assert_c_kernel_takes(rule: str, flags: dict, p: torch.Tensor, states: list
     """That the C kernel takes the update of ``p`` and ``states`` (not inductor's kernel: the comparisons
     would compare inductor with itself)."""
     spec = KernelSpec.of(rule, tuple(sorted(flags.items())), p, states, sr)
-    assert _cpu_kernel.supports(spec, p.device, p.dtype), f"the C kernel does not take {spec.tag()}"
+    assert _cpu_kernel.supports(spec, p.dtype), f"the C kernel does not take {spec.tag()}"
 
 
 # ------------------------------------------------------------------ AdEMAMix through the functional form
@@ -290,13 +290,13 @@ class TestUnsupportedRules(expecttest.TestCase):
         with self.assertRaises(_cpu_rule.UnsupportedRule) as caught:
             _cpu_rule.rule_source(EXP_RULE, flags)
         self.assertExpectedInline(str(caught.exception), """\
-qstate CPU kernel: the update rule 'test_exp_rule' (flags {'maximize': False}) uses the op aten.exp.default, which the C generator does not take (pointwise float32 ops of qstate.optim._cpu_rule.SUPPORTED); it runs inductor's kernel on CPU""")
+qstate CPU kernel: the update rule 'test_exp_rule' (flags {'maximize': False}) uses the op aten.exp.default, which the C generator does not take (pointwise float32 ops of qstate.optim._engine.cpu.rule_source.SUPPORTED); it runs inductor's kernel on CPU""")
         p = torch.zeros(4, 256)
         spec = KernelSpec.of("test_exp_rule", flags, p, [qstate.zeros_like(p, "8bit", signed=True,
                                                                             dtype=torch.float32)], False)
         logger = logging.getLogger("qstate")
         with self.assertLogs(logger, logging.WARNING) as logs:
-            self.assertFalse(_cpu_kernel.supports(spec, p.device, torch.float32))
+            self.assertFalse(_cpu_kernel.supports(spec, torch.float32))
         self.assertIn("aten.exp.default", "\n".join(logs.output))
 
     def test_data_dependent_math_does_not_trace(self):

@@ -25,7 +25,7 @@ from pathlib import Path
 import expecttest
 import pytest
 
-from qstate.optim import _cpu_build
+from qstate.optim._engine.cpu import build as _cpu_build
 
 pytestmark = pytest.mark.skipif(_cpu_build.compiler() is None, reason="no C compiler")
 
@@ -263,7 +263,7 @@ qstate: refusing to build or load C kernels in TMP/cache: group or others can wr
 #: state (the C kernel's smallest spec), then the written-out update in float32, as JSON
 _STEP = """
 import json, torch
-from qstate.optim import _cpu_kernel
+from qstate.optim._engine.cpu import kernel as _cpu_kernel
 from qstate.optim import functional as F
 
 torch.manual_seed(0)

@@ -87,7 +87,7 @@ def test_packed_table_encode_is_exact_at_every_threshold(fmt, signed):
     # the packed one-lookup encode (_codec.build_tables) against format.code_of on float bit patterns
     # spread over [-1, 1] and on every code threshold +- 3 ulps (where an inexact table would differ)
     from qstate.formats import get_format
-    from qstate.optim._codec import _code_thresholds as code_thresholds, get_codec
+    from qstate.formats._codec import _code_thresholds as code_thresholds, get_codec
 
     f = get_format(fmt)
     codec = get_codec(fmt, signed, torch.device("cpu"))
@@ -112,7 +112,7 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
     # the kernels' encode (table lookup for the nearest code, then the shared stochastic_code) against
     # the eager MapFormat.code_of (searchsorted, then stochastic_code), bit for bit; map entries exact
     from qstate.formats import get_format
-    from qstate.optim._codec import get_codec
+    from qstate.formats._codec import get_codec
 
     f = get_format(fmt)
     qmap = f.make_qmap(True)
@@ -126,8 +126,8 @@ def test_stochastic_encode_equals_format_code_of(fmt, seed, n, decades):
 
 
 def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes():
-    from qstate.optim._state_kind import StateKind
-    from qstate.optim._kernels import fusable
+    from qstate.optim._engine.spec import StateKind
+    from qstate.optim._engine.spec import fusable
 
     p, g = torch.randn(8, 64), torch.randn(8, 64)
     m = qstate.zeros_like(p, "4bit", rounding="stochastic")
@@ -144,7 +144,7 @@ def test_kernel_kind_names_each_states_rounding_and_fuses_only_what_it_encodes()
 
 def test_a_state_map_written_in_place_is_no_longer_fusable():
     # fusable() remembers a map it compared equal, until the map's version counter moves
-    from qstate.optim._kernels import fusable
+    from qstate.optim._engine.spec import fusable
 
     p, g = torch.randn(8, 256), torch.randn(8, 256)
     m = qstate.zeros_like(p, "8bit")
@@ -173,10 +173,10 @@ class _RecordFusedUpdate(TorchDispatchMode):
 
 @pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-4, dtype=torch.float64), torch.tensor(0.1)])
 @pytest.mark.parametrize("grad_scale", [None, torch.tensor(4.0)])
-def test_the_kernel_vector_is_the_eager_scalars_in_float32(lr, grad_scale):
-    # the op's hyper vector (the C and inductor kernels' scalars) is the eager scalars converted to
-    # float32 (ADAM.scalars of the group and step; lr and 1 / grad_scale as given), whether built from
-    # floats on the host or on the device from a tensor lr / grad scale
+def test_the_op_vector_is_the_eager_scalars_in_float64(lr, grad_scale):
+    # the op's hyper vector is the eager scalars exactly, in float64 (ADAM.scalars of the group and step;
+    # lr and 1 / grad_scale as the eager math has them: floats, or tensors as float32), whether built from
+    # floats on the host or on the device from a tensor lr / grad scale; the fused kernels round it to float32
     from qstate.optim.adam import ADAM
 
     group = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
@@ -188,8 +188,9 @@ def test_the_kernel_vector_is_the_eager_scalars_in_float32(lr, grad_scale):
                     eps=1e-8, weight_decay=0.1, compile=True, grad_scale=grad_scale)
         (args, _), = mode.calls
         unscale = 1.0 if grad_scale is None else grad_scale.double().reciprocal().float().item()
-        scalars = {"lr": float(lr), "grad_unscale": unscale, **ADAM.scalars(group, step)}
-        want = torch.tensor([scalars[n] for n in ADAM.scalar_names], dtype=torch.float32)
+        given_lr = float(lr.float()) if isinstance(lr, torch.Tensor) else lr
+        scalars = {"lr": given_lr, "grad_unscale": unscale, **ADAM.scalars(group, step)}
+        want = torch.tensor([scalars[n] for n in ADAM.scalar_names], dtype=torch.float64)
         assert torch.equal(args[3], want)
 
 

@@ -22,7 +22,7 @@ import torch
 import qstate
 
 from qstate.optim import AdamW, cpu_kernel_enabled
-from qstate.optim import _fused_op, _kernels, _prepared  # private: the last section's, and :func:`reused`
+from qstate.optim._engine import op as _fused_op, inductor as _kernels, prepared as _prepared  # private: the last section's, and :func:`reused`
 
 
 def _model() -> list[torch.nn.Parameter]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import qstate
 from qstate.optim import cpu_kernel_enabled
-from qstate.optim._cpu_kernel import _compiler
+from qstate.optim._engine.cpu.kernel import _compiler
 
 pytestmark = pytest.mark.skipif(_compiler() is None, reason="no C compiler: the C kernel never runs")
 

@@ -13,7 +13,7 @@ import torch
 import qstate
 from qstate.formats import FORMATS, get_format
 from qstate.optim import SGD, Adam, AdamW, Lion, adam_update_bound, cpu_kernel_enabled
-from qstate.optim._codec import get_codec
+from qstate.formats._codec import get_codec
 from qstate.optim import functional as F
 from test_optim_cases import SHAPES, clone_params, grads, params, run_steps
 
@@ -312,14 +312,14 @@ def test_accelerator_lr_reaches_compiled_kernels_on_the_param_device():
     # real parameters would hand the C kernel a fake pointer); test/cuda_checks.py runs the real case
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qstate.optim._step import _Scalars
+    from qstate.optim._engine.step import _Scalars
     from qstate.optim.adam import ADAM
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         lr = torch.empty((), device="cuda")
         s = _Scalars(ADAM, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}, lr)
-        hyper = s.hyper(3, torch.device("cpu"))
-        assert hyper.device.type == "cpu" and hyper.shape == (len(ADAM.scalar_names),)
+        hyper = s.hyper(3, torch.device("cpu"), eager=False)
+        assert hyper.device.type == "cpu" and hyper.shape == (len(ADAM.scalar_names),) and hyper.dtype == torch.float64
         assert s.eager(3, torch.device("cpu"))["lr"].device.type == "cpu"
 
 

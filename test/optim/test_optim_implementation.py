@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qstate
 from qstate.optim import SGD, AdEMAMix, Adam, AdamW, Lion
+from qstate.optim._engine.op import UpdateVariant  # private: the op's variant argument
 from test_optim_cases import clone_params, grads, params, run_steps
 
 #: each optimizer that takes torch's implementation arguments, with its hyperparameters and its torch
@@ -107,7 +108,7 @@ def test_each_path_runs_its_implementation_and_matches_the_fused_path(fmt, cls, 
         with _TopLevelOps() as ops:  # the third step, recorded
             opt.step()
         path = _path(fused, foreach)
-        eager_calls = [v for v in ops.variants if "eager=True" in v]
+        eager_calls = [v for v in ops.variants if UpdateVariant.parse(v).eager]
         if path == "for-loop":  # tensor by tensor: no op call over the list
             assert ops.variants == [], ops.variants
         elif path == "foreach":  # one call over the list, every parameter's math op by op inside

@@ -1,80 +1,21 @@
-"""The engine of every optimizer step: :func:`apply_update` of an :class:`~.rules.UpdateRule` over
-caller-owned states.
+"""The engine's door: :func:`apply_update` of a registered :class:`~qstate.optim.rules.UpdateRule`
+over caller-owned parameters, gradients, states and step counts (the functional forms and the
+optimizer classes call it), updating them in place as ``torch.optim``'s functional API does.
 
-The functional forms (``qstate.optim.functional``) and the optimizer classes call it;
-it updates ``params`` and their states in place, like ``torch.optim``'s functional API. States may be plain tensors (float32 or
-bfloat16), :class:`~qstate.QuantizedState` (build them with
-``qstate.zeros_like(p, fmt, signed=..., dtype=torch.float32)``; second
-moments unsigned; the optimizers give ``4bit`` first moments
-``rounding="stochastic"``) or DTensors over either. Each quantized state
-is written with its own rounding mode. Other optimizer libraries can
-call these with their own state tensors.
+States are plain float32/bfloat16 tensors, :class:`~qstate.QuantizedState` s (second moments
+unsigned) or DTensors over either; each quantized state is written with its own rounding mode.
+Each parameter's path is chosen by :func:`.path.choose_path`; the op's calls are batched per
+(DTensor mesh, variant, step, device, bf16 stochastic rounding). A parameter whose layouts
+DTensor's strategy for the op rejects (``LayoutMismatch``, before any write) runs op by op.
+Stochastic rounding draws by each element's place in the full tensor under one key per
+parameter and step (:class:`qstate._random.ParamKeys`), so every path and layout gives the same
+bits. AMP: ``grad_scale``/``found_inf`` follow torch's fused-optimizer protocol.
 
-Paths
------
-The path is chosen once per parameter, in :func:`prepare_update`:
-
-* ``compile=True``: the operator ``qstate::fused_update``, one call per step,
-  device, variant and DTensor mesh (plain tensors: none) over lists of
-  parameters, gradients and states, as torch's fused AdamW calls
-  ``_fused_adamw_``. Its kernels (``_fused_op.py``, one per dispatch key) run each parameter's
-  prepared call where it has a valid one (``_prepared.py``: the C or
-  inductor kernel and its arguments from an earlier step, after identity and
-  pointer checks; a step's prepared calls of one C kernel run as one C
-  call), else the fused kernel (decode -> update -> encode in one pass; on
-  CPU the C kernel, ``_cpu_kernel.py``, for the kernel specs it takes; otherwise
-  inductor's, one graph per kernel spec, ``_kernels.py``), else, for tensors
-  the fused kernels cannot run (views, mixed devices), the same math op by
-  op. Parameters with plain states and fewer than :data:`SMALL_PLAIN_NUMEL`
-  elements (biases, norms) of kernel specs the C kernel does not take are a call of
-  the op's eager variant (the math op by op with the eager scalars): faster
-  than a compiled kernel's call for them, and nothing to compile.
-  On DTensors, DTensor's sharding strategy for the op checks that each gradient
-  and state shares its parameter's shape, mesh and (non-Partial) placements, and
-  DTensor runs the op on the shards (no collectives); a parameter it rejects
-  (``LayoutMismatch``, before any write) takes the path below. With
-  stochastic rounding (of a bf16 parameter, or of a state: 4-bit first
-  moments by default) the op's ``sr_keys`` are the keys a plain parameter at
-  that position gets, and every kernel draws by each element's place in the
-  full parameter (each shard one range of it: ``Shard(0)``/``Replicate``; its
-  start passed as ``starts``, :func:`~qstate.dtensor_rules.flat_starts`), so
-  the sharded update is the unsharded one on any number of ranks.
-* ``foreach=True`` (torch.optim's ``foreach``): the op as above, every parameter in its eager
-  variant (the math op by op inside one call per device, variant and mesh, as the small plain
-  states'); tensors the op's kernels do not take run as below.
-* otherwise (``compile=False``, tensors the op's kernels do not take,
-  layouts DTensor's strategy rejects): the same math eagerly, op by op. A bf16
-  parameter and the states round stochastically with the fused kernels' draws
-  (its key, each element's index in the full parameter:
-  ``qstate::flat_index_like``, which DTensor computes shard by shard for any
-  layout; states written with ``qstate::copy_with_draws_``), so every path
-  draws alike. States are read with out-of-place math (plain results) and written
-  back with ``state.copy_(new)``, which requantizes a quantized state in
-  place into its own layout. Nothing here touches a state's inner tensors or
-  a DTensor's local tensor, so each op dispatches through DTensor to the
-  local ``QuantizedState``.
-
-AMP: every function takes ``grad_scale``/``found_inf`` (torch's fused-optimizer
-protocol, see :func:`apply_update`).
-
-Scalars: ``lr`` may be a Python float or a tensor on any device; a tensor is
-converted once per call and device (``lr.to(param.device, float32)``), never
-mixed across devices. Step counts (``state_steps``) are 0-dim tensors,
-incremented in place as in ``torch.optim``'s functional API, or Python ints
-(the 1-based index of this step, left as is).
-
-Checked, then written
----------------------
-A call is two phases: :func:`prepare_update` checks everything that can be
-checked without writing (each gradient against its parameter: layout, dtype,
-shape, device, DTensor mesh; each step count: a finite non-negative integer)
-and lays out the calls of the op, writing nothing; :meth:`PendingUpdate.run`
-writes the parameters and states, and only after every write returned the
-step counts. So an error of the first phase leaves every tensor as it was,
-and an error inside a kernel while writing (out of memory, a kernel's own
-failure part way through the lists) leaves the step counts as they were, while
-parameters and states already written keep their new values (the op writes
-many tensors in place and cannot undo them).
+Checked, then written: :func:`prepare_update` checks everything that can be checked without
+writing (each gradient against its parameter: layout, dtype, shape, device, mesh; each step count:
+a finite non-negative integer) and writes nothing; :meth:`PendingUpdate.run` writes parameters and
+states, then the step counts once every write returned. An error of the first phase leaves every
+tensor as it was; one inside a kernel leaves the step counts as they were.
 """
 
 from __future__ import annotations
@@ -86,25 +27,25 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import _random
-from .._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
-from .._state import QuantizedState
-from ..dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
-from . import _cpu_kernel
-from ._fused_op import eager_variant, fused_update, fused_variant, variant_name
-from ._kernels import KernelSpec
-from .rules import RULES, UpdateRule
-from ._update import update_eagerly
+from ... import _random
+from ..._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
+from ..._state import QuantizedState
+from ...dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
+from .op import UpdateVariant, fused_update
+from .path import Path, choose_path
+from ..rules import RULES, UpdateRule
+from .eager import update_eagerly
 
-__all__ = ["SMALL_PLAIN_NUMEL", "PendingUpdate", "apply_update", "check_grad", "check_lists", "next_step", "prepare_update",
+__all__ = ["PendingUpdate", "apply_update", "check_grad", "check_lists", "next_step", "prepare_update",
            "skip_step", "unscale_factor"]
 
 Scalar = Union[float, Tensor]
 
 
 class _Scalars:
-    """Per-call cache of the rule's scalars in their two forms: the eager math's (Python floats, ``lr``
-    and ``grad_unscale`` as given) and the op's ``hyper`` vector (float32, per device and step).
+    """Per-call cache of the rule's scalars in their two forms: the rule's floats (:meth:`eager`:
+    ``rule.scalars`` with ``lr`` and ``grad_unscale`` as given) and the op's ``hyper`` vector
+    (:meth:`hyper`: the same values in ``scalar_names`` order, float64).
 
     ``lr`` and ``grad_unscale`` may be tensors on any device: each is converted once per
     device (``.to(device, float32)``), so a tensor on the accelerator never meets an
@@ -121,11 +62,6 @@ class _Scalars:
         self._on: dict[tuple, Tensor] = {}
         self._hyper: dict[tuple, Tensor] = {}
 
-    def floats(self, step: int) -> dict:
-        if step not in self._floats:
-            self._floats[step] = self.rule.scalars(self.group, step)
-        return self._floats[step]
-
     def given_on(self, name: str, device: torch.device) -> Scalar:
         """``lr`` / ``grad_unscale`` as given (a float) or as a float32 tensor on ``device``."""
         value = self.given[name]
@@ -137,26 +73,28 @@ class _Scalars:
         return self._on[key]
 
     def eager(self, step: int, device: torch.device) -> dict:
-        h = dict(self.floats(step))
+        """The rule's scalars of ``step`` (computed and checked once), ``lr`` and ``grad_unscale`` as given."""
+        if step not in self._floats:
+            self._floats[step] = self.rule.scalars(self.group, step)
+        h = dict(self._floats[step])
         h.update({n: self.given_on(n, device) for n in self._CALLER})
         return h
 
-    def hyper(self, step: int, device: torch.device) -> Tensor:
-        """The scalars as one float32 vector on ``device`` (the compiled kernels' input)."""
-        key = (step, device)
+    def hyper(self, step: int, device: torch.device, eager: bool) -> Tensor:
+        """The scalars as the op's float64 vector: on ``device`` for the fused variant, on the CPU for the
+        eager one (whose kernel reads them on the host)."""
+        key = (step, device, eager)
         hyper = self._hyper.get(key)
         if hyper is not None:
             return hyper
-        if device.type == "cpu" and not self._tensors:  # one op instead of five
-            f = self.floats(step)
-            values = [self.given[n] for n in self._CALLER] + [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
-            hyper = torch.frombuffer(array.array("f", values), dtype=torch.float32)
+        h = self.eager(step, device)
+        values = [h[n] for n in self.rule.scalar_names]
+        if eager or (device.type == "cpu" and not self._tensors):  # one op instead of five
+            hyper = torch.frombuffer(array.array("d", [float(v) for v in values]), dtype=torch.float64)
         else:  # a tensor lr / grad_unscale joins on ``device`` (never read on the host)
-            f = self.floats(step)
-            parts = [torch.as_tensor(self.given_on(n, device), dtype=torch.float32, device=device).reshape(1)
-                     for n in self._CALLER]
-            rest = [f[n] for n in self.rule.scalar_names[len(self._CALLER):]]
-            parts.append(torch.tensor(rest, dtype=torch.float32).to(device, non_blocking=True))
+            n = len(self._CALLER)
+            parts = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(1) for v in values[:n]]
+            parts.append(torch.tensor(values[n:], dtype=torch.float64).to(device, non_blocking=True))
             hyper = torch.cat(parts)
         self._hyper[key] = hyper
         return hyper
@@ -280,16 +218,13 @@ def _prepare(rule, flags, params, grads, states, state_steps, steps, group, lr, 
         # draws by position under a key: a bf16 parameter rounding stochastically, or a state; the
         # keys are drawn when the update runs (in its rounding stream), by position in ``params``
         position = i if sr or any(rounds_stochastically(x) for x in st) else None
-        dtensor = is_dtensor(p)
-        # op by op (stochastic rounding draws as the fused kernels would, on any layout): compile=False,
-        # a DTensor whose gradient or states are not all DTensors, and a plain parameter whose tensors
-        # are not all of the types the op's kernels take
-        if not (compile or foreach) or not (_all_dtensors(g, st) if dtensor else _kernel_types(p, g, st)):
+        path = choose_path(rule.name, static, p, g, st, sr, compile=compile, foreach=foreach)
+        if path is Path.OP_BY_OP:
             scalars.eager(step, p.device)  # the rule's scalars of this step: computed (and checked) now
             pending.eager.append(_Member(p, g, st, position, step))
             continue
-        # foreach: the op's eager variant; else from the global size: the same on every rank
-        eager = foreach or _small_eager(rule, static, p, g, st, sr)
+        eager = path is Path.EAGER
+        dtensor = is_dtensor(p)
         mesh = p.device_mesh if dtensor else None
         call = (mesh, eager, step, p.device, sr)
         batch = batches.get(call)
@@ -328,7 +263,13 @@ class PendingUpdate:
         """Write the parameters and states, then the step counts (module docstring: an error while
         writing leaves the counts as they were). The stochastic-rounding keys are drawn here, from the
         CPU generator, as the first key is needed."""
-        keys = _random.ParamKeys()
+        drawn: list = []
+
+        def keys(position: int) -> int:  # the stream's keys, drawn on first use (an update that draws)
+            if not drawn:
+                drawn.append(_random.ParamKeys())
+            return drawn[0](position)
+
         with torch.no_grad():
             for m in self.eager:
                 self._eagerly(m, self.stochastic_round, keys)
@@ -370,32 +311,15 @@ def _layout_mismatch(error: BaseException) -> bool:
     return False
 
 
-def _all_dtensors(g: Tensor, st: list[Tensor]) -> bool:
-    return is_dtensor(g) and all(is_dtensor(x) for x in st)
-
-
-def _kernel_types(p: Tensor, g: Tensor, st: list[Tensor]) -> bool:
-    """Whether the op's kernels take these tensors as they are: a plain parameter and gradient, plain
-    or :class:`~qstate.QuantizedState` states (they run the update op by op where the fused kernels
-    cannot: views, mixed devices)."""
-    return (type(p) in _PLAIN_TYPES and type(g) is Tensor
-            and all(type(x) is Tensor or type(x) is QuantizedState for x in st))
-
-
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-
-
 class _Batch:
     """The parameters of one ``qstate::fused_update`` call: its lists, scalars and variant."""
 
     def __init__(self, rule, static, sr, scalars: _Scalars, step: int, device: torch.device, eager: bool,
                  mesh=None):
         self.step, self.sr, self.mesh = step, sr, mesh
-        if eager:
-            hyper, variant = eager_variant(rule, static, sr, scalars.eager(step, device))
-            self.variant = variant_name(variant)
-        else:
-            hyper, self.variant = scalars.hyper(step, device), fused_variant(rule.name, static, sr)
+        hyper = scalars.hyper(step, device, eager)
+        tensors = tuple(n for n in scalars._CALLER if isinstance(scalars.given[n], Tensor)) if eager else ()
+        self.variant = UpdateVariant(rule.name, static, sr, eager, tensors).name
         #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
         self.hyper = hyper if mesh is None else _replicated(hyper, mesh)
         self.members: list[_Member] = []
@@ -433,39 +357,6 @@ class _Batch:
 
 #: the ``starts`` of a plain parameter: its first element is the full tensor's
 _FIRST = torch.zeros(1, dtype=torch.int64)
-
-
-#: plain-state parameters below this size run the eager math even with ``compile=True``: measured
-#: on CPU, 0.05 ms per parameter eagerly vs 0.15 ms through a compiled kernel's call overhead at
-#: 4096 elements (even at 65536), and no kernel to compile for them. Kinds the C kernel takes
-#: (``_cpu_kernel.supports``: on CPU, float32/bfloat16 states) run it at every size: about 0.01 ms
-SMALL_PLAIN_NUMEL = 65536
-
-
-def _small_eager(rule: UpdateRule, static: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor],
-                 sr: bool) -> bool:
-    """Whether ``p``'s update runs the eager math as a small one with plain states (unless the C kernel
-    takes its kernel spec; for a DTensor: its shards')."""
-    if not _small_and_plain(p, states):
-        return False
-    if p.device.type != "cpu" or not _cpu_kernel.enabled():
-        return True
-    key = (rule.name, static, p.dtype, g.dtype, sr, tuple(s.dtype for s in states))
-    eager = _SMALL_EAGER.get(key)
-    if eager is None:  # the C kernel's verdict is a function of the kernel spec: one per key
-        spec = KernelSpec.of(rule.name, static, p, states, sr)
-        eager = _SMALL_EAGER[key] = not _cpu_kernel.supports(spec, p.device, g.dtype)
-    return eager
-
-
-#: (rule, flags, param, grad and state dtypes, sr) of small plain-state updates on CPU -> whether they
-#: run eagerly: asked every step
-_SMALL_EAGER: dict[tuple, bool] = {}
-
-
-def _small_and_plain(p: Tensor, states: Sequence[Tensor]) -> bool:
-    # numel() of a DTensor is global: the same choice on every rank and world size
-    return p.numel() < SMALL_PLAIN_NUMEL and not any(is_quantized_state(s) for s in states)
 
 
 def check_lists(what: str, **lists: Optional[Sequence]) -> None:

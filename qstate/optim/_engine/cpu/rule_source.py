@@ -1,25 +1,16 @@
-"""An update rule's C body for the CPU kernel, generated from the rule's ``math``.
+"""An update rule's C body for the C kernel, generated from the rule's ``math``.
 
-:func:`rule_source` traces ``rule.math`` once per (rule, static flags) on 0-dim float32 tensors (every
-scalar a 0-dim tensor, as the compiled kernels pass them) into aten ops with ``make_fx``, and writes one C
-statement per op. The C computes what inductor's CPU code computes for the same graph, bit for bit
-(``csrc/update_kernel.c`` is built with ``-ffp-contract=off``): one float32 operation per op, in the
-graph's order, with inductor's CPU lowerings where they differ from eager (``lerp`` as
-``(|w| >= 0.5 ? end : start) + w' * (end - start)``, ``addcmul`` as ``self + value * (t1 * t2)``, integer
-powers by repeated squaring, ``maximum``/``minimum`` propagating a NaN of either side, ``sign(NaN) ==
-0``). Python numbers in the graph are float32 constants (rounded once, as inductor's ``ops.constant``).
+:func:`rule_source` traces ``rule.math`` once per (rule, static flags) on 0-dim float32 tensors with
+``make_fx`` and writes one C statement per aten op: what inductor's CPU code computes for the same
+graph, bit for bit (built with ``-ffp-contract=off``; inductor's lowerings where they differ from
+eager, e.g. ``lerp``, ``addcmul``, integer powers, NaN-propagating ``maximum``/``minimum``). Python
+numbers are float32 constants.
 
-What it writes: ``RULE_KEEPS_PARAM`` (1 where the math returns its ``p`` as it is: the kernel then never
-writes the parameter buffer, so state writers pass the values they encode as ``p`` and ``g``),
-``rule_consts_t`` and ``rule_consts(h)``, the values that depend on the scalars alone
-(computed once per row segment), and ``rule(p, g, s, h, c)``, one element: ``p``, ``g`` and the decoded
-states ``s[i]`` (in ``rule.states`` order) in, the new states written to ``s[i]``, the new parameter
-returned. Scalars are read from the hyper vector by their index in ``rule.scalar_names``.
-
-What it takes: pointwise float32 ops of :data:`SUPPORTED` (booleans only as comparison results and
-``where`` conditions). Any other op, another dtype, or math that does not trace (a branch on tensor data)
-raises :class:`UnsupportedRule`, naming the rule, its flags and the op; such a rule runs inductor's kernel
-on CPU (the C kernel's ``supports`` says so on the ``qstate`` logger), never a different computation.
+It writes ``RULE_KEEPS_PARAM`` (1 where the math returns ``p`` as it is: the kernel never writes the
+parameter buffer), ``rule_consts_t``/``rule_consts(h)`` (values of the scalars alone) and
+``rule(p, g, s, h, c)`` for one element. It takes the pointwise float32 ops of :data:`SUPPORTED`; any
+other op or dtype, or math that does not trace, raises :class:`UnsupportedRule` naming the rule, its
+flags and the op, and that rule runs inductor's kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-from .rules import UpdateRule
+from ...rules import UpdateRule
 
 __all__ = ["RuleSource", "SUPPORTED", "UnsupportedRule", "rule_source"]
 
@@ -79,7 +70,7 @@ class _Emitter:
     def unsupported(self, what: str) -> UnsupportedRule:
         return UnsupportedRule(
             f"qstate CPU kernel: the update rule {self.rule!r} (flags {dict(self.flags)}) uses {what}, which "
-            f"the C generator does not take (pointwise float32 ops of qstate.optim._cpu_rule.SUPPORTED); "
+            f"the C generator does not take (pointwise float32 ops of qstate.optim._engine.cpu.rule_source.SUPPORTED); "
             f"it runs inductor's kernel on CPU")
 
 
@@ -356,7 +347,7 @@ def _generate(rule: UpdateRule, flags: tuple) -> RuleSource:
     field_types = {n: ("int" if n.meta.get("val") is not None and n.meta["val"].dtype == torch.bool else "float")
                    for n in fields}
     lines = [f"/* the update rule {rule.name!r}, flags {dict(flags)}: generated from its math by "
-             f"qstate/optim/_cpu_rule.py */", _HELPERS]
+             f"qstate/optim/_engine/cpu/rule_source.py */", _HELPERS]
     # math returning its ``p`` as it is: the kernel never writes the parameter buffer (which may be read-only)
     lines.append(f"#define RULE_KEEPS_PARAM {int(c_name.get(outputs[0]) == 'p')}")
     lines.append("typedef struct {")

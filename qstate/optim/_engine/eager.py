@@ -7,11 +7,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._dtensor import rounds_stochastically
-from .._library import copy_with_draws_
-from .._random import flat_index, key_draws, position_hash32, state_key
-from ._param_rounding import store_param
-from .rules import UpdateRule
+from ..._dtensor import rounds_stochastically
+from ..._library import copy_with_draws_
+from ..._random import flat_index, key_draws, position_hash32, state_key
+from .param_rounding import store_param
+from ..rules import UpdateRule
 
 __all__ = ["update_eagerly", "write_states"]
 

@@ -1,37 +1,19 @@
-"""Prepared calls: a parameter's fused update, kept between steps and run again after a few checks.
+"""Prepared calls: a parameter's fused update, kept between steps and rerun after a few checks.
 
-Both fused kernels leave one per parameter (or DTensor shard) they update:
-the C kernel a :class:`._cpu_kernel.PreparedCall` (the loaded kernel, the
-states' ``qstate_t`` slots), the compiled inductor kernel a
-:class:`._kernels.PreparedKernelCall` (the compiled function and its
-arguments as aliases of the parameter's and states' storage). A later step
-finds it with :func:`registered_call` and runs it after identity and pointer checks
-(:meth:`PreparedUpdate.valid`), instead of re-deriving the kernel spec, re-checking
-every state and re-building the arguments.
+Each backend leaves one per parameter (or DTensor shard) it updates: the kernel and its arguments
+(the C kernel's ``qstate_t`` slots; inductor's compiled function and aliases of the tensors'
+storage). A later call of the op finds it (:func:`registered_call`) and runs it while
+:meth:`PreparedUpdate.valid` holds, instead of deriving the kernel spec and arguments again.
 
-Validity: a call is valid while the parameter object and its storage and
-shape, the state objects and their buffers (address and size in bytes:
-what the kernel was checked against when the call was prepared) and maps,
-and the gradient's dtype, shape,
-contiguity and device are those it was prepared for; any change runs the
-full path, which prepares a new call. A call keeps the rule it was built for
-(its name, static flags and stochastic rounding: checked against the caller's) and,
-for a DTensor shard, the shard's first flat index in the full tensor; a
-subclass adds that its kernel is the one the full path would pick now
-(``cpu_kernel_enabled``).
+Validity: the parameter object, its storage, dtype and shape; the state objects, their buffers
+(address and size) and maps (version); the gradient's dtype, shape, contiguity and device; the
+rule, static flags and stochastic rounding; a shard's first flat index; and the backends'
+registrations and switches (:data:`.backends.GENERATION`) are those the call was prepared with.
+Anything else takes the full path, which prepares a new call.
 
-Registry: calls are keyed by the parameter and its first state (two
-optimizers over one parameter keep one each). It holds weak references only;
-an entry leaves it with its parameter or any of its states
-(:func:`prepared_calls`, :func:`clear_prepared_calls`).
-
-Running: a call runs alone (``call(p, g, hyper, key)``) or with the other
-valid calls of its :attr:`~PreparedUpdate.group` in one step
-(:meth:`PreparedUpdate.run_group`): the C kernel's as one C call over all of
-them, the inductor kernel's under one entry of its compile settings, those of
-small parameters as one kernel call per batch over concatenated copies
-(:meth:`._kernels.PreparedKernelCall.run_group`). This module holds the
-calls; it never runs one.
+Registry: keyed by the parameter and its first state, weakly held: an entry leaves with its
+parameter or any of its states. Valid calls of one :attr:`~PreparedUpdate.group` may run together
+(:meth:`PreparedUpdate.run_group`). This module holds the calls; it never runs one.
 """
 
 from __future__ import annotations
@@ -41,6 +23,8 @@ import weakref
 from typing import Optional, Sequence, Union
 
 from torch import Tensor
+
+from .backends import GENERATION
 
 __all__ = ["PreparedUpdate", "registered_call", "prepared_calls", "clear_prepared_calls"]
 
@@ -70,10 +54,13 @@ class PreparedUpdate:
     from and checks a new call's tensors against it (:meth:`valid`).
     """
 
-    __slots__ = ("rule_key", "sr", "start", "key", "param", "states", "p_ptr", "p_dtype", "device", "g_dtype", "g_shape",
+    __slots__ = ("spec", "generation", "rule_key", "sr", "start", "key", "param", "states", "p_ptr", "p_dtype", "device", "g_dtype", "g_shape",
                  "buffers", "maps", "__weakref__")
 
     def __init__(self, spec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
+        self.spec = spec
+        #: the backends' registrations and switches it was built under (:data:`.backends.GENERATION`)
+        self.generation = GENERATION[0]
         #: the update's (rule, static flags, stochastic rounding): what the caller checks it against
         self.rule_key = (spec.rule, spec.flags, spec.stochastic_round)
         #: whether each call takes a stochastic-rounding key (:class:`qstate._random.ParamKeys`)
@@ -119,7 +106,7 @@ class PreparedUpdate:
         for qmap, version in self.maps:
             if qmap._version != version:
                 return False
-        return _buffers(states) == self.buffers
+        return _buffers(states) == self.buffers and self.generation == GENERATION[0]
 
     @property
     def group(self) -> tuple:

@@ -1,29 +1,13 @@
-"""Per-element encode/decode of quantized codes inside the optimizer's compiled kernels.
+"""Per-element encode/decode of normalized values (``x / scale``) inside the fused kernels.
 
-A :class:`Codec` turns *normalized* values (``x / scale``) into ``uint8`` codes
-and back, for one ``(format, signed)`` pair, with the format's exact
-semantics: the codes it produces are the codes
-``format.code_of(y, signed, qmap)`` produces (tests check this bit for bit),
-so a state written by a compiled kernel equals one written by
-``state.copy_(values)``.
-
-Why not call ``format.code_of`` in the kernel: for map formats it is a
-``searchsorted`` over the code map, which inductor runs as a separate
-(non-fused, single-threaded) aten call over the whole state. Here the nearest
-code comes from one lookup in a packed ``int32`` table: the float bits of
-``|y|`` (exponent and the top ``M`` mantissa bits, plus the sign) index an
-entry holding the lower candidate code ``c`` and the low mantissa bits of the
-largest float ``t_c`` whose nearest code is still ``c``; the code is ``c`` plus
-an integer compare of ``y``'s low bits with those (see :func:`build_tables`).
-The table is built once per map by bisection over float bit patterns, so ties
-and rounding match ``nearest_code`` exactly (including "ties go to the lower code"). Formats
-whose ``code_of`` is already elementwise arithmetic (``fp8``) and formats this
-module does not know use their own ``code_of``/``value_of``.
-
-Stochastic rounding (``rounding="stochastic"``) starts from that nearest code
-and calls the format package's :func:`~qstate.formats.stochastic_code`, the
-same function ``MapFormat.code_of`` calls, so compiled and eager codes agree
-bit for bit for both modes.
+A :class:`Codec` of one ``(format, signed)`` pair gives the codes ``format.code_of(y, signed, qmap)``
+gives, bit for bit, so a state written by a fused kernel equals one written by ``state.copy_``.
+For map formats the nearest code is one lookup in a packed ``int32`` table indexed by the float bits
+of ``|y|`` (exponent, top mantissa bits, sign), whose entry holds the lower candidate code ``c`` and
+the low bits of the largest float whose nearest code is still ``c`` (:func:`build_tables`, built once
+per map by bisection over bit patterns: ties and rounding as ``nearest_code``). Formats whose
+``code_of`` is already elementwise (``fp8``) use their own. Stochastic rounding starts from the
+nearest code and calls :func:`~qstate.formats.stochastic_code`, as ``MapFormat.code_of`` does.
 """
 
 from __future__ import annotations
@@ -34,7 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..formats import BlockFormat, MapFormat, get_format, nearest_code, stochastic_code
+from ._base import BlockFormat
+from ._rounding import stochastic_code
+from .map_formats import MapFormat, nearest_code
+from . import get_format  # noqa
 
 __all__ = ["Codec", "get_codec"]
 

@@ -1,8 +1,8 @@
 /* Fused optimizer update over quantized states (8bit, 4bit, fp8), CPU.
  *
- * Built by qstate/optim/_cpu_kernel.py (one shared object per kernel spec, never per shape), which
+ * Built by qstate/optim/_engine/cpu/kernel.py (one shared object per kernel spec, never per shape), which
  * prepends the update rule's C, generated from its math for the spec's rule and static flags
- * (qstate/optim/_cpu_rule.py: ``rule_consts_t``; ``rule_consts(h)``, the values of the scalars alone, once
+ * (qstate/optim/_engine/cpu/rule_source.py: ``rule_consts_t``; ``rule_consts(h)``, the values of the scalars alone, once
  * per row segment; ``rule(p, g, s, h, c)``, one element: the decoded states s[] in, the new states in s[],
  * the new p returned; ``RULE_KEEPS_PARAM``: the rule returns p as it is, and p is never written), and before
  * it this configuration:
@@ -13,25 +13,25 @@
  *                                        (ANY_SR, PARAM_SR or an S<i>_SR: the call reads keys and starts)
  *   NSTATES                              number of states (1 or more)
  *   S<i>_BITS, S<i>_BS, S<i>_SIGNED      state i: bits per code, block size, signedness
- *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/optim/_codec.py)
+ *   S<i>_SHIFT, S<i>_BASE, S<i>_K, S<i>_ZERO   its encode table constants (qstate/formats/_codec.py)
  *   S<i>_SR, S<i>_N                      stochastic rounding (signed map states, unsigned fp8 states), map entries
  *   S<i>_FP8, S<i>_MAXCODE               an fp8 state (codes: float8_e4m3fn bits; ``qmap``: the
  *                                        256 values by code), and its scale divisor (448)
  *   S<i>_ENC8                            an 8-bit map state encoded by encode8_64 (its tables given)
  *   S<i>_ENC4                            a 16-entry map state encoded by map4_code16 (``threshold``: its
  *                                        16 code thresholds)
- *   ENC8_E_LOW                           encode8_64's lowest binade exponent (_cpu_kernel._E_LOW)
+ *   ENC8_E_LOW                           encode8_64's lowest binade exponent (kernel._E_LOW)
  *   PREFETCH_AHEAD                       parameter / gradient elements ahead of the group being
- *                                        updated to prefetch (0: none; _cpu_kernel._ENC8_PREFETCH_AHEAD)
+ *                                        updated to prefetch (0: none; kernel._ENC8_PREFETCH_AHEAD)
  *   S<i>_PLAIN, S<i>_BF16                a plain state (``codes``: its float32, or bfloat16, values;
  *                                        read and written in place, rounded to nearest even)
  *   GROUP                                gcd of the block sizes: every state's scale is constant
  *                                        over an aligned group of GROUP elements
  *   UNIT                                 a row segment, whole blocks of every state (a multiple of
- *                                        the block sizes' lcm; _cpu_kernel._MIN_ENC8_UNIT or more
+ *                                        the block sizes' lcm; kernel._MIN_ENC8_UNIT or more
  *                                        for kinds with an S<i>_ENC8 state), buffered on the stack
  *
- * Semantics: exactly the compiled inductor kernel's (qstate/optim/_kernels.py):
+ * Semantics: exactly the compiled inductor kernel's (qstate/optim/_engine/inductor.py):
  * the rule's math in float32 with float32 scalars ``h`` (in scalar_names order),
  * state values decoded as ``qmap[code] * scale``, new blocks scaled by their
  * absmax over valid elements (``scale == 0`` for a zero block, encoded with
@@ -161,7 +161,7 @@ static inline uint32_t position_hash64(uint64_t key, uint64_t n) {
 #define STATE_KEY(key, i) ((uint64_t)(key) ^ ((uint64_t)((i) + 1) * 0x9E3779B97F4A7C15ull))
 
 #if PARAM_SR
-/* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_param_rounding.py's rule (round the magnitude up
+/* Stochastic rounding of a new bfloat16 parameter: qstate/optim/_engine/param_rounding.py's rule (round the magnitude up
  * when a uniform 16-bit draw is below the 16 low bits bfloat16 drops, so the expected value is x), with the
  * C kernel's own draws: the top 16 bits of position_hash of the caller's 64-bit key (one per parameter and
  * step) and the element's flat index lo | hi << 32 in the full tensor (qstate_update_many's ``starts``). */
@@ -311,7 +311,7 @@ static inline __m256i float_rank_256(__m256 x) {
 /* state i's normalized value of x in the block being encoded (ENCODE_BLOCKS' div) */
 #define NORMALIZED(i, x) normalized((x), div, S##i##_MAXCODE)
 
-/* Code of a normalized value (qstate/optim/_codec.py Codec.encode): nearest via the packed table,
+/* Code of a normalized value (qstate/formats/_codec.py Codec.encode): nearest via the packed table,
  * then stochastic rounding for S<i>_SR states with the 32-bit draw h (evaluated only for those: SR_HASH) */
 #define ENCODE(i, y, out, h)                                                           \
     do {                                                                               \
@@ -449,7 +449,7 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
 }
 
 /* The in-register encode of 8-bit map states (round to nearest), for machines with AVX-512 VBMI.
- * Its tables (qstate/optim/_cpu_kernel.py, _binade_tables) split |y| by sign and binade (exponent
+ * Its tables (qstate/optim/_engine/cpu/kernel.py, _binade_tables) split |y| by sign and binade (exponent
  * ENC8_E_LOW + j, j = 0..31 after clamping: below is one bucket, NaN falls in 1.0's) into buckets of the top
  * mantissa bits, as few per binade as keep every bucket within two adjacent codes; a bucket's lower
  * code c then gives the code c + (y > t_c), exactly the packed table's (Codec.encode). Per 64
@@ -457,7 +457,7 @@ static inline void decode8(const uint8_t *restrict codes, int64_t n, const float
  * and a 64-entry in-register table of words (vpermt2w), the lower code from 512 in-register bytes,
  * t_c from byte planes (lookup_planes): no gathers. */
 typedef struct {
-    planes_t threshold; /* t_c as byte planes (unsigned states: t_zero is +0, _cpu_kernel._encode_thresholds) */
+    planes_t threshold; /* t_c as byte planes (unsigned states: t_zero is +0, kernel._encode_thresholds) */
     uint8_t bucket[512];
     uint16_t binade[64];
 } enc8_t;
@@ -579,7 +579,7 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
 /* The codes (32-bit lanes) of 16 values y of a 16-entry map state, as ENCODE gives them for y that are
  * not NaN (the packed table's NaN codes depend on the payload: callers take the scalar path for those).
  * s: the values the search counts below y, in four halvings (lane 15 unused; map4_search16's): rounded to
- * nearest (sr = 0) the code thresholds t_0..t_14 (_cpu_kernel._encode_thresholds: an unsigned state's
+ * nearest (sr = 0) the code thresholds t_0..t_14 (kernel._encode_thresholds: an unsigned state's
  * t_zero = +0 keeps positive values off the zero code as ENCODE's bump does), whose count is the nearest
  * code; with stochastic rounding the map's entries q_1..q_15, whose count c (capped at 14) has
  * q_c < y <= q_c+1, then stochastic_code's steps (qmap: the map's 16 values), as map4_code8 explains, with
@@ -1136,7 +1136,7 @@ void qstate_update(param_t *p, const grad_t *g, const qstate_t *st, const float 
 }
 
 /* State 0's values qmap[code] * scale (its decode in the update, alone), rows x row_len into ``out``
- * (float32, contiguous), block by block: the state readers' decode (qstate/optim/_cpu_encode.py). */
+ * (float32, contiguous), block by block: the state readers' decode (qstate/optim/_engine/cpu/state_kernels.py). */
 void qstate_decode(float *out, const qstate_t *st, int64_t rows, int64_t row_len, int nthreads) {
 #if S0_PLAIN
     (void)out, (void)st, (void)rows, (void)row_len, (void)nthreads;

@@ -1,30 +1,16 @@
 """Writing float32 results into a parameter: round to nearest, or stochastically to bfloat16.
 
-Stochastic rounding uses plain tensor ops on the value's bit pattern (no
-local-tensor access), so it runs unchanged on plain tensors and inside
-compiled kernels; on DTensors it runs as qstate's own ops, which DTensor
-runs shard by shard under qstate's rules (``qstate::stochastic_round_bf16``,
-``qstate::flat_index_like``), and otherwise only ops whose torch rules are
-right for any layout (``&``, ``^``, ``torch.bitwise_right_shift``):
+The stochastic rule works on the value's bits: ``bits = x.view(int32)``; with ``r`` uniform in
+``[0, 2**16)``, round the magnitude up (``(bits & -65536) + 0x10000``) when ``r < bits & 0xFFFF``,
+else truncate. The result rounds up with probability ``low / 2**16``: its expected value is exactly
+``x`` (sign-magnitude bits make this hold for negative values). Plain tensor ops only, so it runs
+in compiled kernels and, as ``qstate::stochastic_round_bf16``, on DTensors shard by shard.
 
-``bits = x.view(int32)``; the low 16 bits are the part bfloat16 drops; with
-``r`` uniform in ``[0, 2**16)``, round the magnitude up (``(bits & -65536) +
-0x10000``) when ``r < bits & 0xFFFF``, else truncate (``bits & -65536``).
-The result rounds up with probability ``low / 2**16``, so its expected value
-is exactly ``x`` (float32 sign-magnitude bits make this hold for negative
-values too).
-
-Where ``r`` comes from: every path of the optimizers (the CPU C kernel, the
-compiled inductor kernel, the eager math on plain tensors and on DTensors of
-any layout) draws it from a hash of a 64-bit key (one per parameter and
-update) and each element's flat index in the full parameter
-(:func:`qstate._random.position_draws`, the C kernel's ``param_draw``; ``key_draws``),
-so all give the same bits for the same float32 value, and shards of a
-parameter draw as the whole parameter would. The optimizer swaps its own
-saved generator state in around the step and draws the keys from it.
-:func:`stochastic_round_bf16` without draws takes ``randint_like`` of the
-default generator of ``x``'s device (on a DTensor the positional
-:func:`qstate.dtensor_rules.positional_randint_like`: independent shards).
+Every path of the optimizers draws ``r`` from a hash of one 64-bit key per parameter and update
+and each element's flat index in the full parameter (:func:`qstate._random.position_draws`), so
+all paths give the same bits and shards draw as the whole parameter would.
+:func:`stochastic_round_bf16` without draws takes ``randint_like`` of the default generator (on a
+DTensor the positional :func:`qstate.dtensor_rules.positional_randint_like`).
 """
 
 from __future__ import annotations
@@ -34,9 +20,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._library import LIBRARY
-from .._library import stochastic_round_bf16 as stochastic_round_bf16_op
-from .._dtensor import dtensor_type
+from ..._library import LIBRARY
+from ..._library import stochastic_round_bf16 as stochastic_round_bf16_op
+from ..._dtensor import dtensor_type
 
 __all__ = ["stochastic_round_bf16", "store_param"]
 
@@ -52,7 +38,7 @@ def stochastic_round_bf16(x: Tensor, draws: Optional[Tensor] = None) -> Tensor:
     from the default generator hashed with each element's global index."""
     if _DTensor is not None and isinstance(x, _DTensor):
         if draws is None:
-            from ..dtensor_rules import positional_randint_like
+            from ...dtensor_rules import positional_randint_like
 
             draws = positional_randint_like(x, 0, 1 << 16, dtype=torch.int32)
         return stochastic_round_bf16_op(x, draws)

@@ -1,58 +1,21 @@
-"""Fused, compiled update kernels: one graph per kernel *spec*, never per shape.
+"""Inductor's compiled kernels: the default fused backend, one graph per kernel spec, never per shape.
 
-A kernel spec (:class:`KernelSpec`) is the optimizer rule and its static
-flags, the parameter dtype, bf16 stochastic rounding of the parameter on/off,
-and per state a :class:`~qstate.optim._state_kind.StateKind` (plain: its
-dtype; quantized: format, signed, block size and its own rounding,
-``"nearest"`` or ``"stochastic"``, see :mod:`qstate.formats._rounding`);
-shapes are not part of it. Each spec is compiled once (``fullgraph=True, dynamic=True``) from a
-function with its own code object, so specs never share dynamo's cache
-entries or recompile limit.
+Each spec (:class:`~.spec.KernelSpec`) compiles once (``fullgraph=True, dynamic=True``, a code
+object of its own: specs never share dynamo's cache entries or recompile limit). Shape independence:
+the kernels take plain tensors (a state's ``codes``/``scale``, never its Python attributes),
+re-aliased with ``Tensor.set_`` to a fixed rank (1-D plain states, ``[rows, row_len]`` quantized
+ones); sizes are symbolic (``backed_size_oblivious``, no duck shaping); the spec's Python numbers
+(block sizes, table constants) are specialized.
 
-Shape independence
-------------------
-* The kernels take **plain** tensors: for a :class:`~qstate.QuantizedState`
-  its inner ``codes``/``scale`` (the state's Python attributes such as
-  ``row_len`` never reach dynamo, so it has nothing to guard on).
-* Every input is re-aliased with ``Tensor.set_`` as a fresh contiguous tensor
-  of a fixed rank (1-D for plain states, ``[rows, row_len]`` for quantized
-  ones), so dynamo sees neither the parameter's rank nor a view base.
-* Sizes are symbolic and traced with ``backed_size_oblivious`` (sizes 0/1 are
-  not specialized) and without duck shaping (equal sizes, e.g. a square
-  weight, get no equality guard). Python ints and floats of the spec (block
-  sizes, table constants, ``max_code``) are specialized: static loop bounds
-  and shifts, so inductor vectorizes the loops.
-* Quantized states run in *block space* (:class:`_BlockSpace`): every tensor
-  is viewed as ``[N, unit]`` (``unit``: the lcm of the block sizes), one block
-  row per row of each tensor. Rows that are a whole number of units are
-  aliased (no copy); ragged rows are zero-padded copies whose padding lanes are
-  masked out of the absmax (``limit``: valid columns per block row) and dropped
-  when the results are copied back. The per-element scale is then a per-row
-  broadcast, the absmax a reduction over the last dim, and inductor emits one
-  loop over block rows: absmax of the recomputed new states, then encode and
-  parameter update in the same iteration (the new states are recomputed, not
-  stored: ``_RECOMPUTE_OPTIONS``; specs with heavier encodes store them). The new
-  scales are returned (the old ones are still read in that loop) and copied by
-  :func:`run_compiled`.
-* Every block row's update reads only that row and the scalars, so the
-  calls of one spec may run as one over concatenated copies of their block
-  rows (plain specs: of their elements), the parameter as a single row of
-  them: the same graph, the same bits (:meth:`PreparedKernelCall._run_batch`,
-  for small parameters: :data:`_BATCH_LIMITS`).
+Quantized states run in block space (:class:`_BlockSpace`): every tensor viewed as ``[N, unit]``
+(``unit``: the lcm of the block sizes), aliased where rows are whole units, else zero-padded copies
+whose padding is masked out of the absmax and dropped on copy-back. One loop over block rows
+computes the new states, their absmax, the encode and the parameter; the new scales are returned
+and copied by :func:`run_compiled`. Each block row reads only itself and the scalars, so small
+parameters of one spec may run as one call over concatenated rows: the same graph, the same bits.
 
-On CPU, the specs :func:`._cpu_kernel.supports` takes (states all 8bit /
-4bit / fp8 ``QuantizedState`` s, or all plain float32 / bfloat16) run a
-hand-written C kernel instead (:mod:`._cpu_kernel`): the same results bit for
-bit (a stochastically rounded bfloat16 parameter's too: both kernels hash a
-key and each element's index, :func:`qstate._random.position_draws`), one build
-per spec, about 5x faster than inductor's code for quantized states: the
-op's CPU kernel (``_fused_op.update_cpu``) chooses; :func:`run_compiled` runs
-inductor's.
-
-Only plain ``QuantizedState`` / plain tensors on the same device take this
-path; DTensor parameters reach it shard by shard through the operator
-``qstate::fused_update`` (``_fused_op.py``); anything else runs the same math
-eagerly, op by op (see ``_step.py``).
+Results equal the format's ``copy_`` of the same values (the codecs, :mod:`qstate.formats._codec`)
+and the C kernel's bit for bit, stochastic draws included (:func:`qstate._random.position_draws`).
 """
 
 from __future__ import annotations
@@ -60,61 +23,22 @@ from __future__ import annotations
 import math
 import threading
 import types
-from typing import Callable, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from .._random import MASK64, as_int64, param_key, position_draws, position_hash32, state_key
-from .._state import QuantizedState
-from ..formats import block_absmax, get_format
-from . import _cpu_kernel
-from ._codec import Codec, get_codec
-from ._prepared import PreparedUpdate
-from .rules import RULES, UpdateRule
-from ._state_kind import StateKind
-from ._param_rounding import store_param
+from ..._random import MASK64, as_int64, param_key, position_draws, position_hash32, state_key
+from ..._state import QuantizedState
+from ...formats import block_absmax, get_format
+from .backends import register_backend
+from ...formats._codec import Codec, get_codec
+from .prepared import PreparedUpdate
+from ..rules import RULES, UpdateRule
+from .spec import KernelSpec, StateKind, block_unit
+from .param_rounding import store_param
 
-__all__ = ["KernelSpec", "PreparedKernelCall", "get_kernel", "kernel_specs", "run_compiled"]
-
-
-class KernelSpec(NamedTuple):
-    """A kernel spec: what one compiled graph (or C kernel) is built for, never a shape. A named tuple:
-    it keys the kernel caches, and is built and looked up on every step that cannot reuse a call."""
-
-    rule: str
-    flags: tuple  # sorted (name, value) pairs of the rule's static flags
-    param_dtype: torch.dtype
-    stochastic_round: bool
-    states: tuple[StateKind, ...]
-    device_type: str
-
-    @classmethod
-    def of(cls, rule: str, flags: tuple, p: Tensor, states: Sequence[Tensor], stochastic_round: bool) -> "KernelSpec":
-        """The kind of updating ``p`` and ``states`` (:meth:`StateKind.of` each; a DTensor state counts as plain)."""
-        return cls(rule, flags, p.dtype, stochastic_round, tuple(StateKind.of(s) for s in states), p.device.type)
-
-    @property
-    def quantized(self) -> bool:
-        return any(s.quantized for s in self.states)
-
-    @property
-    def keyed(self) -> bool:
-        """Whether the spec draws by position under a key (:mod:`qstate.formats._rounding`): it writes a
-        bfloat16 parameter or a state with stochastic rounding. Its kernels then take the key and each
-        element's place (:func:`run_compiled`)."""
-        return self.param_sr or any(s.rounding == "stochastic" for s in self.states)
-
-    @property
-    def param_sr(self) -> bool:
-        """Whether the spec writes its bfloat16 parameter with stochastic rounding: its kernels then take
-        the draws' key and place (:func:`run_compiled`)."""
-        return self.stochastic_round and self.param_dtype == torch.bfloat16
-
-    def tag(self) -> str:
-        parts = [self.rule, str(self.param_dtype).split(".")[-1], "sr" if self.stochastic_round else "rn"]
-        parts += [s.tag() for s in self.states]
-        return "_".join(parts).replace("-", "_")
+__all__ = ["INDUCTOR", "PreparedKernelCall", "get_kernel", "kernel_specs", "run_compiled"]
 
 
 def _alias(t: Tensor, shape: Sequence[int]) -> Tensor:
@@ -147,15 +71,6 @@ def _plain_body(spec: KernelSpec, rule: UpdateRule, flags: dict) -> Callable:
     return kernel
 
 
-#: largest block-space column group (lcm of the states' block sizes) the kernels take
-_MAX_UNIT = 4096
-
-
-def _block_unit(block_sizes: Sequence[int]) -> int:
-    """Elements per block-space column group: the lcm of the states' block sizes."""
-    return math.lcm(*block_sizes)
-
-
 def _unpacked(bits: int, codes: Tensor) -> Tensor:
     """``[N, unit * bits / 8]`` bytes -> ``[N, unit]`` codes (4-bit: low nibble first)."""
     if bits == 8:
@@ -178,7 +93,7 @@ def _quantized_body(spec: KernelSpec, rule: UpdateRule, flags: dict, codecs: lis
     fmts = [get_format(s.format) for s in spec.states]
     block_sizes = [s.block_size for s in spec.states]
     roundings = [s.rounding for s in spec.states]
-    unit = _block_unit(block_sizes)
+    unit = block_unit(block_sizes)
     n_tables = [len(c.tables) for c in codecs]
 
     def kernel(p: Tensor, g: Tensor, hyper: Tensor, limit: Tensor, place: Tensor, keys: Tensor,
@@ -299,39 +214,6 @@ def kernel_specs() -> list[str]:
     return sorted({k[0].tag() for k in _KERNELS})
 
 
-def fusable(p: Tensor, g: Tensor, states: Sequence[Tensor]) -> bool:
-    """Whether the fused kernels (the C kernel, inductor's) can run the update of ``p`` with ``g`` and
-    ``states`` (public as :func:`qstate.optim.fusable`): plain contiguous tensors of one shape and
-    device, and plain states or float32 :class:`~qstate.QuantizedState` s of one row layout whose map
-    is their format's (compared once, until the map's version counter moves) and whose rounding the
-    format's codec implements. Anything else runs the rule's math op by op."""
-    if type(p) not in (Tensor, torch.nn.Parameter) or type(g) is not Tensor:
-        return False
-    device, shape = p.device, p.shape
-    if not (p.is_contiguous() and g.is_contiguous()) or g.shape != shape or g.device != device:
-        return False
-    if not states:
-        return True
-    state_type = type(states[0])
-    if state_type is Tensor:
-        return all(type(s) is Tensor and s.device == device and s.shape == shape and s.is_contiguous()
-                   for s in states)
-    if state_type is not QuantizedState:
-        return False
-    layout = (states[0].rows, states[0].row_len)
-    if layout[0] * layout[1] != p.numel():
-        return False
-    for s in states:  # one row layout, one block space
-        if type(s) is not QuantizedState or s.device != device or s.dtype != torch.float32:
-            return False
-        if (s.rows, s.row_len) != layout or not (s.codes.is_contiguous() and s.scale.is_contiguous()):
-            return False
-        codec = get_codec(s.format, s.signed, device)
-        if not (codec.matches(s.qmap) and codec.supports(s.rounding)):
-            return False
-    return _block_unit([s.block_size for s in states]) <= _MAX_UNIT
-
-
 _LIMITS: dict[tuple, Tensor] = {}
 #: per device, the ``place`` argument of specs without parameter stochastic rounding (unread)
 _NO_PLACE: dict[torch.device, Tensor] = {}
@@ -407,7 +289,7 @@ def _static_config():
 
 
 class PreparedKernelCall(PreparedUpdate):
-    """One parameter's compiled-kernel update (:func:`run_compiled`), ready to run again (:mod:`._prepared`).
+    """One parameter's compiled-kernel update (:func:`run_compiled`), ready to run again (:mod:`.prepared`).
 
     Holds the compiled kernel and its arguments but the gradient, the scalars and the stochastic-rounding
     keys (a plain spec's place, which holds its key): the parameter and the states in block space (:class:`_BlockSpace`: aliases of their storage,
@@ -419,7 +301,7 @@ class PreparedKernelCall(PreparedUpdate):
     A step's calls of one spec run together (:meth:`run_group`), those of small parameters in batches.
     """
 
-    __slots__ = ("spec", "fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
+    __slots__ = ("fn", "args", "space", "unit", "row_len", "scales", "odd_nibbles", "ran",
                  "rows_n", "data_at", "scale_at", "data_rows")
 
     # the kernel's arguments: ``(param, grad, hyper, place, *states)`` for plain specs, ``(param, grad,
@@ -429,7 +311,7 @@ class PreparedKernelCall(PreparedUpdate):
 
     def __init__(self, spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int = 0):
         super().__init__(spec, p, g, states, start)
-        self.spec, self.fn = spec, get_kernel(spec, p.device)
+        self.fn = get_kernel(spec, p.device)
         self.space: Optional[_BlockSpace] = None
         self.scales: list[Tensor] = []
         unread = _no_place(p.device)  # the place and keys of specs without parameter stochastic rounding
@@ -437,7 +319,7 @@ class PreparedKernelCall(PreparedUpdate):
         if spec.quantized:
             q0 = states[0]
             self.row_len = q0.row_len
-            self.unit = _block_unit([s.block_size for s in states])
+            self.unit = block_unit([s.block_size for s in states])
             space = self.space = _BlockSpace(q0.rows, q0.row_len, self.unit)
             flat: list[Tensor] = []
             self.data_at, self.scale_at = [0], []
@@ -462,9 +344,6 @@ class PreparedKernelCall(PreparedUpdate):
         # the arguments a batch concatenates and writes back (_run_batch), by block-space rows
         self.data_rows = [self.args[at].view(self.rows_n, -1) if spec.quantized else self.args[at]
                           for at in self.data_at]
-
-    def valid(self, rule_key: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
-        return (not _cpu_kernel.supports(self.spec, self.device, g.dtype)) and super().valid(rule_key, p, g, states, start)
 
     @property
     def group(self) -> tuple:
@@ -651,10 +530,25 @@ def run_compiled(spec: KernelSpec, p: Tensor, g: Tensor, states: Sequence[Tensor
                  key: Optional[int] = None, start: int = 0) -> None:
     """One update of ``p`` and its ``states`` by the compiled inductor kernel of its spec (``hyper``: the
     rule's scalars on ``p.device``), and the prepared call of this update for the next steps
-    (:mod:`._prepared`). A ``keyed`` spec's draws hash ``key`` (64 bits; None:
+    (:mod:`.prepared`). A ``keyed`` spec's draws hash ``key`` (64 bits; None:
     :func:`qstate._random.param_key` drawn now) with each element's flat index in the full tensor ``p`` is
     a part of (``start``: its first element's), as the C kernel's (:func:`qstate._random.position_draws`).
     """
     call = PreparedKernelCall(spec, p, g, states, start)
     call(p, g, hyper, (param_key() if key is None else key) if spec.keyed else 0)
     call.register()
+
+
+class InductorKernels:
+    """Inductor's compiled kernels as the default fused backend (:mod:`.backends`): every spec, every
+    device."""
+
+    name = "inductor"
+    run = staticmethod(run_compiled)
+
+    @staticmethod
+    def supports(spec: KernelSpec, grad_dtype: torch.dtype) -> bool:
+        return True
+
+
+INDUCTOR = register_backend(InductorKernels())

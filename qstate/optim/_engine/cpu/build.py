@@ -1,40 +1,21 @@
-"""Building the C kernel's source into a shared library with the system C compiler, caching it, loading it.
+"""Building the C kernel's source into a shared library, caching it, loading it.
 
-Compiler (:func:`compiler`): ``$CC`` split as a shell splits it (as make runs ``$(CC)``: ``CC="ccache gcc"``
-and ``CC="gcc -O2"`` work; its first word must name a program found on ``PATH`` or an executable file),
-else the first of ``cc``, ``gcc``, ``clang`` on ``PATH``. Flags (:func:`cflags`): :data:`CFLAGS`, then those of
-``$QSTATE_CPU_KERNEL_CFLAGS``. A missing compiler or a failing build raises (naming ``$CC`` and what was
-tried, or with the compiler's message); nothing falls back silently.
+Compiler (:func:`compiler`): ``$CC`` split as a shell splits it, else the first of ``cc``, ``gcc``,
+``clang`` on ``PATH``. Flags (:func:`cflags`): :data:`CFLAGS`, then ``$QSTATE_CPU_KERNEL_CFLAGS``. A
+missing compiler or a failing build raises; nothing falls back silently.
 
-Cache folder (:func:`cache_folder`): ``$QSTATE_CPU_KERNEL_CACHE`` if set, else ``<inductor cache dir>/qstate``
-(``$TORCHINDUCTOR_CACHE_DIR``, by default under the system temp folder with a predictable name). One library
-per source, compiler command, flags and CPU, named ``<name>_<hash of these>.so``, with its SHA-256 (hex) in
-``<library>.sha256`` beside it.
+Cache (:func:`cache_folder`): ``$QSTATE_CPU_KERNEL_CACHE``, else ``<inductor cache dir>/qstate``; one
+library per source, compiler, flags and CPU, with its SHA-256 in a sidecar file. Storage rules,
+checked before anything in the folder is read (:func:`private_cache_folder`, :func:`load`): the
+folder is created ``0o700``, must be a real folder owned by this user that no one else can write,
+and no level above it may be writable by others (unless sticky); otherwise the build raises naming
+the folder. A library loads only if it and its sidecar are regular files (never followed links)
+owned by this user, not group/other-writable, and its hash is the sidecar's; else it is built again
+into a fresh private folder and moved in atomically. A library that fails ``dlopen`` is built once
+more, then the error is raised.
 
-Storage rules (:func:`private_cache_folder`, :func:`load`), checked before anything in the folder is read:
-
-* The folder, and each missing level of its path, is created ``0o700``. The folder is used only if it is a
-  folder (``os.lstat``: a symbolic link is refused), owned by this (effective) user, and neither group nor
-  others can write it; every level above it (its real path) must be owned by root or this user and not
-  writable by others or by a group other than this user's primary group, unless sticky (as ``/tmp``): a
-  level someone else can write lets them swap the folder after the checks. Otherwise the build **raises**
-  (naming the folder and what is wrong) rather than going elsewhere: set ``$QSTATE_CPU_KERNEL_CACHE`` to a
-  private folder, or fix the folder's owner or mode. (POSIX only: without ``os.geteuid`` nothing is checked.)
-* A cached library is loaded only if it and its sidecar are regular files (opened with ``O_NOFOLLOW``: a
-  symbolic link is never followed), owned by this user, not writable by group or others, and the library's
-  SHA-256 is the sidecar's. Otherwise (missing sidecar, truncated or corrupt file, a link, a file of someone
-  else) it is never loaded but built again over it: the compiler writes into a fresh private folder inside
-  the cache folder, then the library and its sidecar replace the entries (``os.replace``, atomic: a
-  concurrent process sees a whole old or whole new file, and a link is replaced, not its target; one that
-  finds a new library beside the old sidecar builds again).
-* A library that still fails to load (``dlopen``: e.g. a library its compiler left incomplete) is built
-  again once; a second failure raises with ``dlopen``'s message.
-
-What this protects against: with the folder private to the user, only the user's own processes can write
-it, so the hash check guards against truncated and corrupt files (a crash or a full disk mid-write, a tool
-that copied part of the folder), not against an attacker: anyone who can write the folder can write a
-library and a matching sidecar, or replace the library between the check and ``dlopen``. Keeping other
-users out of the folder and of every level above it is what keeps their code out of this process.
+This guards against truncated or corrupt files; keeping other users out of the folder and every
+level above it is what keeps their code out of this process.
 """
 
 from __future__ import annotations

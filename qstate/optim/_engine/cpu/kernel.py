@@ -1,65 +1,25 @@
-"""A hand-written C kernel for the fused update of quantized (and plain) states on CPU.
+"""The C kernel: the fused update of quantized or plain states on CPU, one shared object per kernel spec.
 
-Why: inductor's C++ for the fused quantized update is compute-bound on its
-table lookups (each becomes a scalar loop through a stack buffer, with int64
-index arithmetic and bounds checks), which made the 8-bit AdamW step about 9x
-torch's fused fp32 AdamW. ``csrc/update_kernel.c`` computes the same function
-(see its header) in two passes over each row segment held in L1: decode +
-update into a float buffer, then absmax and encode per block. Plain states
-take it too: one call per parameter (about 0.01 ms) instead of inductor's
-kernel call (about 0.15 ms) or, for biases and norms, ~15 eager ops.
+``csrc/update_kernel.c`` computes inductor's kernel's function bit for bit (its header states the
+contract) in two passes over each row segment held in L1: decode and update into a float buffer,
+then absmax and encode per block. The rule's C is generated from its math (:mod:`.rule_source`) and
+placed before the source with the spec's ``#define`` block (:func:`kernel_source`); the build and its
+cache are :mod:`.build`'s. A missing compiler or a failing build raises; a rule the generator does
+not take keeps inductor's kernel, which the ``qstate`` logger says once per rule and flags.
 
-Build: one shared object per kernel spec (:class:`~qstate.optim._kernels.KernelSpec`,
-shapes never enter): the source configured for the spec (:func:`_config`), built on first use in a
-process and loaded by :func:`._cpu_build.load` (the compiler, ``$CC`` or ``cc``; its flags, ``-O3
--march=native -fopenmp -ffp-contract=off`` then ``$QSTATE_CPU_KERNEL_CFLAGS``; the cache, a folder
-private to the user, ``$QSTATE_CPU_KERNEL_CACHE`` or ``<inductor cache dir>/qstate``, whose libraries
-are loaded only where their SHA-256 is the one recorded at their build; its docstring states the rules).
-A missing compiler, a failing build or a cache folder others can write raises; nothing falls back
-silently.
+Which specs it takes (:func:`supports`): a float32 or bfloat16 parameter and gradient, and every
+state a ``QuantizedState`` of a map format or ``fp8`` with a rounding its codec implements and block
+sizes whose lcm is at most :data:`~..spec.MAX_UNIT`, or every state a plain float32/bfloat16 tensor.
 
-The rule: every registered rule's C, qstate's own and others' alike, is generated from its math
-(:mod:`._cpu_rule`: the inductor kernel's results bit for bit) and placed before the source
-(:func:`kernel_source`). A rule the generator does not take keeps inductor's kernel, which the ``qstate``
-logger says (a warning with the generator's reason, once per rule and flags).
-
-Which specs it takes (:func:`supports`): a rule in C (above), CPU, every state a ``QuantizedState``
-of a map format (``8bit``/``4bit``) or ``fp8``, with a rounding its codec implements
-(stochastic rounding: :mod:`qstate.formats._rounding`'s spec, in C), or every
-state a plain float32/bfloat16 tensor (read and written in place), a float32 or
-bfloat16 parameter. Everything else keeps the compiled inductor kernel.
-
-Stochastic rounding of a bfloat16 parameter (``PARAM_SR``): the C kernel
-cannot draw from torch's generator, so it hashes its own draws from a key per
-parameter and update (:class:`qstate._random.ParamKeys`: a splitmix64 mix of one base per
-call of the update, 63 bits drawn from torch's CPU generator, which the
-optimizer seeds from ``(seed, group, step)``, and the parameter's position in
-the call) and each element's flat index (csrc: ``param_draw``), then applies
-:mod:`qstate.optim._param_rounding`'s rule. A key depends on the position only, not
-on whether the update runs now (:func:`run`) or is queued
-(:meth:`._fused_op.PendingCalls.add`), so batching never changes the draws and a resumed
-run continues the same stream. The inductor kernel draws the same bits from the same key
-(:func:`qstate._random.position_draws`), and so does the op-by-op path (plain tensors and
-DTensors: :func:`qstate._random.key_draws`). Each element's index is its place in the full
-tensor (:func:`run`'s ``start`` for a DTensor shard). States rounded stochastically draw from the same key
-and places (the state's :func:`qstate.formats.state_key`, then :func:`qstate.formats.position_hash32`), so a
-spec that rounds any state stochastically takes keys and starts too (``KernelSpec.keyed``). ``cpu_kernel_enabled(False)`` turns the C kernel
-off for a block of code (tests and benchmarks compare the two kernels).
-
-Prepared calls: :func:`run` leaves, per parameter, a :class:`PreparedCall`
-(the loaded kernel, the states' ``qstate_t`` slots, the layout) that later
-steps reuse through :func:`._prepared.registered_call` after a few identity and
-pointer checks (validity and registry: :mod:`._prepared`), instead of
-re-deriving the spec and re-checking every state (0.02-0.03 ms per parameter
-when the interpreter's caches are warm, several times that after the
-optimizer's data swept them: 0.18-0.2 ms of a 1M-parameter 8bit AdamW step
-timed between other optimizers' steps). Valid calls of one kernel in a step
-run as one C call (:func:`run_prepared`).
+Stochastic rounding hashes a key per parameter and update (:class:`qstate._random.ParamKeys`) with
+each element's flat index in the full tensor (``start`` for a shard), as the other paths do. Each
+call leaves a :class:`PreparedCall` (the loaded kernel and the states' ``qstate_t`` slots); valid
+prepared calls of one kernel in a step run as one C call (:func:`run_prepared`). Buffers are checked
+against the spec before any pointer reaches C (:func:`check_buffers`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -71,23 +31,21 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .._random import param_key
-from ..formats import MapFormat, get_format, nearest_code
-from ..formats.fp8 import Float8Format
-from .._state import QuantizedState
-from ._codec import _code_thresholds, _floats, get_codec
-from ._cpu_build import compiler as _compiler, load as _load_library
-from ._cpu_rule import UnsupportedRule, rule_source
-from ._prepared import PreparedUpdate
-from .rules import RULES
-from ._state_kind import StateKind
+from ...._random import param_key
+from ....formats import MapFormat, get_format, nearest_code
+from ....formats.fp8 import Float8Format
+from ...._state import QuantizedState
+from ....formats._codec import _code_thresholds, _floats, get_codec
+from .build import compiler as _compiler, load as _load_library
+from .rule_source import UnsupportedRule, rule_source
+from ..prepared import PreparedUpdate
+from ...rules import RULES
+from ..spec import MAX_UNIT, StateKind
 
-__all__ = ["supports", "run", "built_specs", "cpu_kernel_enabled", "PreparedCall", "run_prepared"]
+__all__ = ["C_KERNEL", "supports", "run", "built_specs", "PreparedCall", "run_prepared"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "update_kernel.c"
 _LOGGER = logging.getLogger("qstate")
-#: largest lcm of a spec's block sizes the kernel takes (its row segments, buffered on the stack, are whole blocks)
-_MAX_UNIT = 4096
 #: the row segment (work item) of a spec whose states are all plain
 _PLAIN_UNIT = 256
 #: the row segment of a spec with an ``encode8_64`` state: the smallest multiple of the block sizes'
@@ -116,7 +74,7 @@ _E_LOW = 96
 
 def _encode_thresholds(fmt: str, signed: bool) -> Tensor:
     """The thresholds ``t_c`` the in-register encodes compare with (the code of ``y`` is the lower
-    code ``c`` of its bucket plus ``y > t_c``): the map's (:func:`~qstate.optim._codec._code_thresholds`),
+    code ``c`` of its bucket plus ``y > t_c``): the map's (:func:`~qstate.formats._codec._code_thresholds`),
     except that an unsigned state's ``t_zero`` is ``+0``. That keeps its positive values off the zero
     code, as Codec.encode does, with the same compare: zero + (y > 0); ``y <= 0`` (or NaN) keeps it."""
     codec = get_codec(fmt, signed, "cpu")
@@ -197,32 +155,11 @@ def _map16_thresholds(fmt: str, signed: bool) -> Optional[Tensor]:
 #: float8_e4m3fn's value of each code (NaN for 0x7f / 0xff): an fp8 state's decode table
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
-_ENABLED = [True]
-
-
-@contextlib.contextmanager
-def cpu_kernel_enabled(enabled: bool):
-    """Within the block, the C kernel takes the specs it supports (``True``) or none (``False``)."""
-    before = _ENABLED[0]
-    _ENABLED[0] = bool(enabled)
-    try:
-        yield
-    finally:
-        _ENABLED[0] = before
-
-
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def enabled() -> bool:
-    """Whether the C kernel takes the specs it supports now (:func:`cpu_kernel_enabled`)."""
-    return _ENABLED[0]
-
-
-def supports(spec, device: torch.device, grad_dtype: torch.dtype) -> bool:
-    """Whether the C kernel runs ``spec`` with gradients of ``grad_dtype`` on ``device`` (module docstring)."""
-    if not _ENABLED[0] or device.type != "cpu":
-        return False
+def supports(spec, grad_dtype: torch.dtype) -> bool:
+    """Whether the C kernel runs ``spec`` with gradients of ``grad_dtype`` (module docstring)."""
     key = (spec, grad_dtype)
     verdict = _SUPPORTED.get(key)
     if verdict is None:
@@ -250,7 +187,7 @@ def _supports_spec(spec, grad_dtype: torch.dtype) -> bool:
     group = math.gcd(*sizes)
     if any(get_format(s.format).bits == 4 for s in spec.states) and group % 2:
         return False
-    return math.lcm(*sizes) <= _MAX_UNIT and _compiler() is not None
+    return math.lcm(*sizes) <= MAX_UNIT and _compiler() is not None
 
 
 #: (rule object, flags) -> whether the C kernel has the rule's C (hand-written or generated)
@@ -258,7 +195,7 @@ _C_RULES: dict = {}
 
 
 def _has_c_rule(spec) -> bool:
-    """Whether the C kernel has ``spec``'s rule in C, generated from its math (:func:`._cpu_rule.rule_source`).
+    """Whether the C kernel has ``spec``'s rule in C, generated from its math (:func:`.rule_source.rule_source`).
     A rule the generator does not take keeps inductor's kernel, which the ``qstate`` logger says once per rule
     and flags, with the generator's reason."""
     rule = RULES.get(spec.rule)
@@ -318,7 +255,7 @@ def _config(spec, grad_dtype: torch.dtype) -> str:
 
 def kernel_source(spec, grad_dtype: torch.dtype) -> str:
     """The C source of ``spec``'s kernel: the ``#define`` block (:func:`_config`), the rule's generated C
-    (:mod:`._cpu_rule`), then ``csrc/update_kernel.c``. All of it keys the build cache (:func:`._cpu_build.load`)."""
+    (:mod:`.rule_source`), then ``csrc/update_kernel.c``. All of it keys the build cache (:func:`.build.load`)."""
     return _config(spec, grad_dtype) + rule_source(RULES[spec.rule], spec.flags).code + _SOURCE.read_text()
 
 
@@ -382,7 +319,7 @@ def check_buffers(spec, p: Tensor, g: Tensor, states: Sequence[Tensor]) -> None:
     scales, contiguous, in one row layout that holds exactly the parameter's elements. The kernel trusts
     these sizes (the strides it is given are the codes' and scales' widths): this is what keeps it inside
     its buffers, whatever state reached it. Run when a call is prepared (:func:`run`); a prepared call
-    runs again only while its buffers are unchanged (:meth:`._prepared.PreparedUpdate.valid`)."""
+    runs again only while its buffers are unchanged (:meth:`..prepared.PreparedUpdate.valid`)."""
     numel = p.numel()
     if len(states) != len(spec.states):
         raise ValueError(f"qstate CPU kernel: expected {len(spec.states)} states, got {len(states)}")
@@ -459,7 +396,7 @@ def _library(spec, grad_dtype: torch.dtype) -> tuple[ctypes.CDLL, list]:
 
 def run_once(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Sequence[float]) -> None:
     """One update with no stochastic rounding, prepared for no later call (the state writers' encode,
-    :mod:`._cpu_encode`); the buffers are checked first (:func:`check_buffers`)."""
+    :mod:`.state_kernels`); the buffers are checked first (:func:`check_buffers`)."""
     dll, tables = _library(spec, g.dtype)
     check_buffers(spec, p, g, states)
     arr, rows, row_len = state_slots(spec, p, states, tables)
@@ -499,7 +436,7 @@ def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tenso
 
 
 class PreparedCall(PreparedUpdate):
-    """One parameter's C-kernel update, ready to run again (:mod:`._prepared`): the kernel function and
+    """One parameter's C-kernel update, ready to run again (:mod:`..prepared`): the kernel function and
     the states' ``qstate_t`` slots (raw pointers into the states' buffers, which :meth:`valid` checks)."""
 
     __slots__ = ("fn", "many", "kernel", "slots", "rows", "row_len", "numel")
@@ -512,9 +449,6 @@ class PreparedCall(PreparedUpdate):
         #: the kernel's address: calls with equal ``kernel`` run together (run_prepared)
         self.kernel = ctypes.cast(self.many, ctypes.c_void_p).value
         self.slots, self.rows, self.row_len, self.numel = slots, rows, row_len, p.numel()
-
-    def valid(self, rule_key: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], start: int) -> bool:
-        return _ENABLED[0] and super().valid(rule_key, p, g, states, start)
 
     @property
     def group(self) -> tuple:
@@ -555,3 +489,12 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
     torch.autograd.graph.increment_version(params)
 
 
+class CKernel:
+    """The C kernel as the CPU's fused backend (:mod:`..backends`), named ``"c"``."""
+
+    name = "c"
+    supports = staticmethod(supports)
+    run = staticmethod(run)
+
+
+C_KERNEL = CKernel()
