@@ -1,49 +1,19 @@
-"""The ``qstate`` operator namespace (``torch.ops.qstate``).
+"""The ``qstate`` operator namespace (``torch.ops.qstate``): schemas and fake kernels.
 
-Schemas and fake kernels (shapes and dtypes, for tracing): each op's kernels,
-and its rule for :class:`~qstate.QuantizedState` arguments
-(``torch.library.register_torch_dispatch``), are registered by the module that
-owns its math, and its DTensor sharding strategy by :mod:`qstate.dtensor_rules`,
-so that package can name the op without importing the optimizers.
+This module defines each op's schema and its fake kernel (shapes and dtypes, for tracing); the
+module that owns an op's math registers its kernels and its rule for
+:class:`~qstate.QuantizedState` arguments, and :mod:`qstate.dtensor_rules` its DTensor strategy,
+so the strategies can name the ops without importing the optimizers. The ops (each alias below
+states its contract):
 
-* ``fused_update(params, grads, states, hyper, variant)``: one optimizer update of
-  each ``params[i]`` and its states in place (kernels: :mod:`qstate.optim._engine.op`),
-  as torch's ``_fused_adamw_`` takes lists: one call (one DTensor dispatch) per
-  step and parameter group, not per parameter. ``states`` is flat, the same
-  number per parameter (:func:`states_per_param`): ``params[i]``'s are
-  ``states[i * n:(i + 1) * n]``. ``hyper`` is the update rule's scalar vector
-  (shared: one step count), ``variant`` names the rule, its static flags,
-  stochastic rounding and compilation. For a call with stochastic rounding (of
-  a bf16 parameter or of a state; fused kernels or op by op), ``sr_keys`` gives
-  each parameter's rounding key (int64, the 64-bit key's two's complement; a
-  parameter that rounds nothing stochastically does not read its own) and
-  ``starts`` the flat index of each parameter's first element in its full
-  tensor, one int64 element each (on DTensors, an int64 DTensor sharded as
-  its parameter with one element per shard, built by
-  :func:`qstate.dtensor_rules.flat_starts`: DTensor's strategy hands each
-  shard its own), so that each element's draw depends on its place in the
-  full tensor: independent shards, the same draws on any number of ranks
-  (``sr_keys`` and ``starts`` come together); ``None``: keys drawn in the
-  kernel. On DTensors every tensor argument is a DTensor (``hyper``
-  replicated).
-* ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major
-  index in ``self`` (for a DTensor: in the full tensor, computed on each rank
-  from its shard's place, no collectives; kernel: :mod:`qstate._random`,
-  DTensor handler: :mod:`qstate.dtensor_rules._positional`). Stochastic
-  rounding hashes it with a key, so every path and layout draws alike.
-* ``copy_with_draws_(self, src, draws)``: ``self.copy_(src)``, where a quantized
-  ``self`` that rounds stochastically draws by position: ``draws`` holds each
-  element's 32-bit draw (int64 in ``[0, 2**32)``, ``self``'s shape;
-  :mod:`qstate.formats._rounding`), which other states and plain tensors
-  ignore (kernels: :mod:`qstate.ops.copy`; DTensor strategy:
-  :mod:`qstate.dtensor_rules._rounding_ops`). The optimizers' updates write
-  their states with it op by op, so every path draws alike.
-* ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to
-  bfloat16 with the integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape
-  (kernel: :mod:`qstate.optim._engine.param_rounding`, DTensor strategy:
-  :mod:`qstate.dtensor_rules._rounding_ops`). Its kernel reinterprets bits with
-  ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's
-  own rule, whatever torch's rule for ``view(dtype)`` is.
+* ``fused_update``: one optimizer update of a list of parameters and their states, in place,
+  one call per step and param group (as torch's ``_fused_adamw_``);
+* ``flat_index_like``: each element's row-major index in the full tensor, no collectives;
+* ``copy_with_draws_``: ``copy_`` whose stochastic rounding draws by position;
+* ``stochastic_round_bf16``: float32 to bfloat16 with given draws.
+
+Invariant: stochastic decisions depend on each element's place in the full tensor, never on the
+layout, so every path and every number of ranks draws alike.
 """
 
 from __future__ import annotations
@@ -85,9 +55,31 @@ def _copy_with_draws_fake(self, src, draws) -> None:
 def _stochastic_round_bf16_fake(x, draws):
     return torch.empty_like(x, dtype=torch.bfloat16)
 
+#: ``fused_update(params, grads, states, hyper, variant, sr_keys=None, starts=None)``: one optimizer
+#: update of each ``params[i]`` and its states in place. ``states`` is flat, the same number per
+#: parameter (:func:`states_per_param`): ``params[i]``'s are ``states[i * n:(i + 1) * n]``. ``hyper``
+#: is the update rule's scalar vector (shared: one step count); ``variant`` names the rule, its static
+#: flags, stochastic rounding and compilation. With stochastic rounding (of a bf16 parameter or of a
+#: state), ``sr_keys`` gives each parameter's rounding key (int64, the 64-bit key's two's complement)
+#: and ``starts`` the flat index of each parameter's first element in its full tensor, one int64
+#: element each (on DTensors, an int64 DTensor sharded as its parameter with one element per shard,
+#: so each shard gets its own), so each element's draw depends on its place in the full tensor;
+#: they come together, and ``None`` draws keys in the kernel. On DTensors every tensor argument is
+#: a DTensor (``hyper`` replicated).
 fused_update = torch.ops.qstate.fused_update.default
+#: ``flat_index_like(self)``: int64 in ``self``'s shape, each element's row-major index in ``self``
+#: (for a DTensor: in the full tensor, computed on each rank from its shard's place, no collectives).
+#: Stochastic rounding hashes it with a key, so every path and layout draws alike.
 flat_index_like = torch.ops.qstate.flat_index_like.default
+#: ``copy_with_draws_(self, src, draws)``: ``self.copy_(src)``, where a quantized ``self`` that rounds
+#: stochastically draws by position: ``draws`` holds each element's 32-bit draw (int64 in
+#: ``[0, 2**32)``, ``self``'s shape), which other states and plain tensors ignore. The optimizers'
+#: updates write their states with it op by op, so every path draws alike.
 copy_with_draws_ = torch.ops.qstate.copy_with_draws_.default
+#: ``stochastic_round_bf16(x, draws)``: float32 ``x`` rounded stochastically to bfloat16 with the
+#: integer ``draws`` in ``[0, 2**16)`` of ``x``'s shape. Its kernel reinterprets bits with
+#: ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's own rule, whatever
+#: torch's rule for ``view(dtype)`` is.
 stochastic_round_bf16 = torch.ops.qstate.stochastic_round_bf16.default
 
 

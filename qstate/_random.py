@@ -1,8 +1,6 @@
 """qstate's random streams, specified once: keys, the position hash, draws and flat indices.
 
-Every path draws from these functions or implements them bit for bit: the eager math and the
-inductor kernels call them, the C kernel (``optim/csrc/update_kernel.c``) and the DTensor rules'
-positional stream (``dtensor_rules/_positional.py``: the same steps on int64 tensors) follow them.
+Every path (eager, compiled, C, DTensor) calls these functions or follows them bit for bit:
 
 * **splitmix64** (Steele, Lea and Flood, 2014): the state advances by :data:`GAMMA` (mod
   ``2**64``) per output; output ``i`` (from 0) of the stream seeded with ``key`` is
@@ -15,8 +13,8 @@ positional stream (``dtensor_rules/_positional.py``: the same steps on int64 ten
 * **The position hash.** The element at flat index ``n`` of the full tensor hashes to
   ``lowbias32(n_lo ^ k_lo ^ lowbias32(n_hi ^ k_hi))`` over the 32-bit halves of ``n`` and the
   key (:func:`position_hash32`; ``lowbias32`` is Chris Wellons' 32-bit mix, :func:`lowbias32_int`).
-  A state's stochastic rounding takes the whole 32-bit hash (``qstate.formats``' rounding spec); a
-  bfloat16 parameter's takes its top 16 bits (:func:`position_draws`).
+  A state's stochastic rounding takes the whole 32-bit hash, a bfloat16 parameter's its top 16
+  bits (:func:`position_draws`).
 * **Flat indices**: each element's row-major index in the full tensor (:func:`flat_index`,
   ``qstate::flat_index_like``, which DTensor computes shard by shard): a shard draws what the whole
   tensor would draw at its elements, so sharding, the world size and the path never change a draw.

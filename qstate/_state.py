@@ -1,47 +1,23 @@
 """``QuantizedState``: a tensor subclass holding blockwise-quantized values.
 
-Storage rules (invariants every op keeps)
------------------------------------------
-The logical tensor (``shape``, appearance ``dtype``) is stored as ``R`` rows of
-``row_len`` (``L``) elements, each row quantized on its own by ``format``
-(see :mod:`qstate.formats`), so **blocks never cross rows**:
+Storage rules (invariants every op keeps): the logical tensor (``shape``, appearance ``dtype``)
+is ``R`` rows of ``row_len`` (``L``) elements, each row quantized on its own by ``format``
+(:mod:`qstate.formats`), so **blocks never cross rows**.
 
-* ``codes``: ``uint8 [R, format.packed_width(L)]``; ``scale``: ``float32
-  [R, ceil(L / block_size)]``; ``qmap``: ``float32 [2**bits]`` for formats
-  with a code map, else absent.
-* The flattened logical tensor is the concatenation of the rows, cut to
-  ``numel``: only the last row may hold padding, ``0 <= R * L - numel < L``
-  (or ``numel == 0``).
-* A tensor with ``ndim >= 2`` has ``R == shape[0]`` and no padding, so slicing,
-  concatenating, padding and all-gathering along dim 0 at *any* row boundary
-  moves whole rows and never requantizes (what DTensor ``Shard(0)`` and FSDP2
-  need, even and uneven). A 1-D tensor starts as one row; gathering 1-D shards
-  gives one row per shard (exact), and a 1-D slice must start on a block (row
-  ``R == 1``) or row (``R > 1``) boundary.
-* ``block_size``, ``format``, ``signed`` and ``rounding`` are fixed at
-  construction and never recomputed; they and the appearance ``dtype``
-  (``float32`` or ``bfloat16``) are kept by every op that returns a
-  ``QuantizedState`` (views, slices, cat, pad, copies, moves, collectives).
-* ``rounding`` (``"nearest"`` or ``"stochastic"``, see
-  :mod:`qstate.formats._rounding`) governs every write of new values into the
-  state (``copy_``, in-place math, the optimizers' kernels); stochastic
-  decisions are a function of each normalized value and, where the writer
-  gives them (the optimizers' updates, ``qstate::copy_with_draws_``), draws by
-  each element's place in the full tensor, so a sharded state gets the codes
-  of the unsharded one.
+* ``codes``: ``uint8 [R, format.packed_width(L)]``; ``scale``: ``float32 [R, ceil(L / block_size)]``;
+  ``qmap``: ``float32 [2**bits]`` for formats with a code map, else absent.
+* The flat tensor is the rows concatenated, cut to ``numel``: ``0 <= R * L - numel < L`` padding.
+* ``ndim >= 2``: ``R == shape[0]`` and no padding, so slicing, concatenating, padding and
+  gathering along dim 0 at any row boundary moves whole rows and never requantizes (DTensor
+  ``Shard(0)``, FSDP2, even and uneven). A 1-D tensor starts as one row; a 1-D slice must start
+  on a block (``R == 1``) or row (``R > 1``) boundary.
+* ``block_size``, ``format``, ``signed``, ``rounding`` and the appearance ``dtype`` (``float32``
+  or ``bfloat16``) are fixed at construction and kept by every op that returns a state.
+* ``rounding`` governs every write; writes drawing by position give a sharded state the codes of
+  the unsharded one. Scales are ``>= 0``, ``+inf`` or NaN (a block that held an inf or a NaN).
 
-Validation
-----------
-A state is checked against these rules wherever it enters from outside
-(:func:`check_parts`): unpickling (``torch.load``, DCP's reads), copies from
-another state, the optimizers' ``load_state_dict`` and
-:func:`qstate.checkpoint.load`; ``__tensor_unflatten__`` checks what it can
-without reading values (it runs under tracing). States built by qstate's ops
-keep the rules by construction. Scales must be ``>= 0`` and not ``-inf``;
-NaN and ``+inf`` scales are allowed: they are how a block that held a NaN or
-an infinity is stored (:mod:`qstate.formats._base`, "Non-finite values"),
-which a step with a non-finite gradient writes unless the optimizer has
-``skip_nonfinite=True``, and every kernel reads them safely.
+States entering from outside (unpickling, DCP reads, copies, ``load_state_dict``) are checked
+by :func:`check_parts`; qstate's ops keep the rules by construction.
 """
 
 from __future__ import annotations
@@ -289,6 +265,12 @@ def check_parts(
 
     Where a state saved with an earlier map of its format would be accepted and converted, this is the
     place: the map comparison (:func:`_check_qmap`).
+
+    Callers: unpickling (``torch.load``, DCP's reads), copies from another state, the optimizers'
+    ``load_state_dict`` and :func:`qstate.checkpoint.load`; ``__tensor_unflatten__`` passes
+    ``values=False`` (it runs under tracing). NaN and ``+inf`` scales are how a block that held a NaN
+    or an infinity is stored, which a step with a non-finite gradient writes unless the optimizer has
+    ``skip_nonfinite=True``; every kernel reads them safely.
     """
     def fail(what: str) -> None:
         if name:

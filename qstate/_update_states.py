@@ -1,10 +1,8 @@
 """Op-by-op updates of states through plain working values: :func:`update_states`.
 
-Every in-place op on a quantized state decodes it, computes, and encodes the
-result again, so an update written as several ops (``m.mul_(b).add_(g)``)
-rounds the state once per op and pays a decode and an encode each time.
-:func:`update_states` gives code written that way (another optimizer library,
-a rule kept in Python) one decode and one encode per state per update.
+Every in-place op on a quantized state decodes and re-encodes it, so an update written as
+several ops (``m.mul_(b).add_(g)``) rounds the state once per op; :func:`update_states` gives
+such code one decode and one encode per state per update.
 
 Storage rules:
 

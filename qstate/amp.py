@@ -1,30 +1,19 @@
 """Gradient scaling for sharded, offloaded gradients: :class:`GradScaler`.
 
-qstate's optimizers speak torch's fused-optimizer AMP protocol
-(``_step_supports_amp_scaling``): ``torch.amp.GradScaler.step`` hands them
-``grad_scale``/``found_inf`` and they unscale inside the quantized update, so
-the gradient is never rewritten. ``torch.amp.GradScaler`` (``"cpu"`` or
-``"cuda"``) is enough when every gradient lives on its mesh's device type,
-e.g. FSDP2 on CPU (gloo), or on CUDA without offload: DTensor's handler of
-``_amp_foreach_non_finite_check_and_unscale_`` all-reduces ``found_inf``.
+qstate's optimizers speak torch's fused-optimizer AMP protocol (``_step_supports_amp_scaling``):
+``torch.amp.GradScaler.step`` hands them ``grad_scale`` and ``found_inf`` and they unscale inside
+the update, never rewriting the gradient. ``torch.amp.GradScaler`` is enough when every gradient
+lives on its mesh's device type (FSDP2 on CPU, or on CUDA without offload).
 
-Use :class:`GradScaler` instead when
+Use :class:`GradScaler` instead when gradients live on another device than the mesh they are
+sharded over (FSDP2 ``CPUOffloadPolicy`` with a CUDA mesh), or one optimizer's gradients live on
+several devices, or where you would use ``ShardedGradScaler`` (which all-reduces ``found_inf``
+a second time after DTensor did).
 
-* gradients live on another device than the mesh they are sharded over
-  (FSDP2 ``CPUOffloadPolicy`` with a CUDA mesh: torch's check all-reduces a CPU
-  ``found_inf`` over NCCL), or one optimizer's gradients live on several
-  devices;
-* you would use ``ShardedGradScaler``: its ``unscale_`` all-reduces
-  ``found_inf`` a second time after DTensor already did.
-
-Its check runs per rank on the local gradients (the same
-``_amp_foreach_non_finite_check_and_unscale_`` kernel, grouped by device and
-dtype), then reduces ``found_inf`` exactly once per mesh dimension of the
-sharded gradients, on the mesh's device. Plain (non-DTensor) and replicated
-gradients are checked locally, as ``torch.amp.GradScaler`` does.
-
-:func:`found_non_finite` runs the same check without a scale (the
-optimizers' ``skip_nonfinite`` option).
+Contract: the non-finite check runs per rank on the local gradients (grouped by device and
+dtype), then ``found_inf`` is reduced exactly once per mesh dimension of the sharded gradients,
+on the mesh's device; plain and replicated gradients are checked locally.
+:func:`found_non_finite` runs the same check without a scale (``skip_nonfinite``).
 """
 
 from __future__ import annotations

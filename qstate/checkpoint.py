@@ -1,39 +1,22 @@
 """``torch.distributed.checkpoint`` loading that validates before it writes.
 
-``dcp.load`` copies each stored piece into the destination as it reads it, and
-a copy converts: a stored :class:`~qstate.QuantizedState` copied into a plain
-tensor is dequantized, a stored plain tensor copied into a ``QuantizedState``
-is encoded, so a checkpoint of another format would load silently (or, for
-two quantized kinds, fail half way with some states already overwritten).
-:func:`load` reads into a staging copy of the destination first, checks what
-the checkpoint *stored* against each destination as it reads it, then checks
-the optimizer policy options of qstate's param groups, and copies into the
-live tensors only when everything loaded and matched. It costs one extra copy
-of the states while loading.
+``dcp.load`` copies each stored piece into its destination as it reads it, and a copy converts:
+a stored :class:`~qstate.QuantizedState` copied into a plain tensor is dequantized, a stored plain
+tensor copied into a state is encoded, so a checkpoint of another format would load silently or
+fail half way. :func:`load` reads into a staging copy of the destination (one extra copy of the
+states while loading), checks what the checkpoint stored against each destination and the
+policy options of qstate's param groups, and copies into the live tensors only when all matched.
 
-Invariant: when :func:`load` raises, no tensor and no value of its
-``state_dict`` has changed, model tensors included. (Plain ``dcp.load`` also
-leaves a qstate optimizer unchanged, reading into the copies its ``state_dict()``
-gives, but writes the model tensors it reads before a refused state.) A
-checkpoint of another state policy loads into an optimizer of the checkpoint's policy, and :func:`qstate.optim.convert_state_dict`
-then converts its state dict.
+* all or nothing: when :func:`load` raises, no tensor and no value of its ``state_dict`` has
+  changed, model tensors included;
+* loading runs no code from the checkpoint: the metadata is unpickled by
+  :class:`SafeFileSystemReader`, non-tensor entries with ``torch.load(weights_only=True)``
+  (:class:`NamingLoadPlanner`), and every stored state is checked whole when unpickled;
+* nothing converts: a checkpoint of another state policy loads into an optimizer of its own
+  policy, and :func:`qstate.optim.convert_state_dict` converts from there.
 
-Saving needs nothing special: ``dcp.save`` stores quantized DTensor states
-shard by shard, and loading at another world size moves whole rows (see
-:mod:`qstate.distributed`), so it is exact for ``ndim >= 2`` states.
-
-Loading runs no code from the checkpoint. ``dcp.load``'s defaults unpickle
-the folder's ``.metadata`` with ``pickle.load`` and each non-tensor entry
-(a param group's ``lr``, ``betas``...) with ``torch.load(weights_only=False)``:
-either runs whatever callable the file names. :func:`load` reads the
-metadata with :class:`SafeFileSystemReader` (an unpickler that builds only
-DCP's metadata classes, ``torch.Size``, dtypes, layouts and paths) and the
-entries with :class:`NamingLoadPlanner` (``torch.load(weights_only=True)``:
-tensors, states and the plain values a state dict holds); tensors are
-already read with ``weights_only=True`` by DCP, and every stored state is
-checked whole when it is unpickled (:func:`qstate._state.check_parts`).
-Anything else raises ``ValueError`` naming the entry, before any destination
-changes.
+Saving needs nothing special: ``dcp.save`` stores quantized DTensor states shard by shard, and
+loading at another world size moves whole rows, exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""README.md's code blocks, as a user copies them.
+"""The code blocks of README.md and docs/*.md, as a user copies them.
 
 A Python block right after ``<!-- needs: PACKAGE -->`` is a recipe for that package's trainer: the
-integration tests run it (``test/integrations/test_readme_recipes.py``); every other Python block
-runs in ``test/test_readme.py``.
+integration tests run docs/integrations.md's (``test/integrations/test_readme_recipes.py``). README.md's
+Python blocks run in ``test/test_readme.py``, docs/extending.md's in ``test/test_extending_guide.py``.
 """
 
 from __future__ import annotations

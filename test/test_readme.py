@@ -1,5 +1,5 @@
 """Every Python block of README.md runs, in order, in one namespace, as a user would paste them (the
-trainers' recipes run in ``test/integrations/test_readme_recipes.py``)."""
+trainers' recipes, in docs/integrations.md, run in ``test/integrations/test_readme_recipes.py``)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,22 @@
 """DTensor sharding rules: qstate's own operators, and the upstream series applied at run time.
 
-Two sets of rules, as data, installed at different times:
+Two sets of rules, as data:
 
-* :data:`QSTATE_OP_RULES`, the rules of qstate's own operators, registered by ``import qstate``
-  (:func:`register_qstate_ops`). Every entry is keyed by a ``qstate::`` op, so none changes the
-  result of a torch op: :mod:`._fused_ops` (``fused_update``, shard by shard; :func:`flat_starts`),
-  :mod:`._positional` (``flat_index_like``; :func:`positional_randint_like`) and
-  :mod:`._rounding_ops` (``stochastic_round_bf16``, ``copy_with_draws_``).
+* :data:`QSTATE_OP_RULES`, the rules of qstate's own operators (``fused_update`` shard by shard,
+  ``flat_index_like``, ``stochastic_round_bf16``, ``copy_with_draws_``), registered by
+  ``import qstate`` (:func:`register_qstate_ops`). Every entry is keyed by a ``qstate::`` op, so
+  none changes the result of a torch op.
+* :data:`RULES`, the upstream patch series (``upstream/``, ``docs/upstream.md``: exact
+  ``view(dtype)``, casts and ``fill_``/``copy_`` on ``Partial``, per-shard random ops on CPU
+  meshes, foreach scalars, shifts, integer ``add``/``sub``), one module per patch, with the
+  patched torch's op coverage and semantics. Opt-in: :func:`install`.
 
-* :data:`RULES`, the upstream patch series (``upstream/``, ``docs/upstream.md``) at run time, with
-  the same op coverage and semantics, opt-in (:func:`install`), one module per patch:
-
-  * 0001 :mod:`._view_dtype`: ``view(dtype)``, a local view or an error, never a copy;
-  * 0002-0004 :mod:`._fill_and_copy`: ``fill_`` on ``Partial`` gives ``Replicate``; ``_to_copy`` and
-    ``copy_`` keep ``Partial`` only through casts that commute with its reduction;
-  * 0005 :mod:`._cpu_random`: random ops and factories on CPU meshes, per-shard seeds (CPU meshes
-    only);
-  * 0006 :mod:`._foreach_scalars`: ``_foreach_addcdiv``/``addcmul`` ``.Tensor``;
-  * 0007 :mod:`._shift_ops`: ``>>``/``<<``, which torch returns unchanged;
-  * 0008 :mod:`._integer_add`: integer ``add``/``sub``, only the exact ``Partial(sum)``.
-
-  Where a cast meets a pending reduction, every rule asks :mod:`._dtypes`.
-
-Importing this package changes nothing. :func:`install` writes :data:`RULES` into DTensor's tables,
-:func:`uninstall` puts torch's entries back, :func:`installed` lists what is overridden and why. Each
-rule carries a feature check (:mod:`._probe`: torch's own decision for the case the patch fixes, on
-a CPU mesh that needs no process group): on a torch that has the patch, :func:`install` leaves
-torch's rule in place and :func:`not_needed` lists it; a check that cannot run raises and nothing is
-installed. From a ``sitecustomize``: ``import qstate.dtensor_rules as r; r.install()``.
+Importing this package changes nothing. :func:`install` writes :data:`RULES` into DTensor's
+tables, :func:`uninstall` puts torch's entries back, :func:`installed` lists what is overridden
+and why. Each rule first asks torch (a feature check of torch's own decision for the case its
+patch fixes): on a torch that has the patch, :func:`install` leaves torch's rule and
+:func:`not_needed` lists it; a check that cannot run raises and nothing is installed. From a
+``sitecustomize``: ``import qstate.dtensor_rules as r; r.install()``.
 """
 
 from __future__ import annotations

@@ -13,13 +13,11 @@ ranks seeded alike draw the same numbers on every shard. Here, for each call of 
 3. restores the default generator to its state after the draw.
 
 Distinct shards draw independent numbers, replicas agree, every rank's generator advances by one
-draw, and no collective is issued per op. The scheme is held by an RNG tracker object, as the
-series' ``CPUSeedBasedRNGTracker``: the first such op while DTensor has no tracker
-(``torch.distributed.tensor._random._rng_tracker is None``) creates one there, and like torch's CUDA
-tracker its creation sets every rank's CPU generator to rank 0's state (one broadcast over the
-default group), warning when they differed; ``manual_seed`` on a CPU mesh creates it without the
-sync. Meshes of other device types keep torch's path (the handlers are keyed by device type,
-:class:`~qstate.dtensor_rules._registry.DeviceHandlers`).
+draw, and no collective is issued per op. An RNG tracker holds the scheme (the series'
+``CPUSeedBasedRNGTracker``): the first such op while DTensor has none creates it, and its creation
+sets every rank's CPU generator to rank 0's state (one broadcast), warning when they differed, as
+torch's CUDA tracker does; ``manual_seed`` on a CPU mesh creates it without the sync. Meshes of
+other device types keep torch's path.
 """
 
 from __future__ import annotations

@@ -8,12 +8,10 @@ would need communication; the strategy rejects them instead (:class:`LayoutMisma
 raised during sharding propagation, before any tensor is written), so the step
 issues zero collectives. ``hyper`` is replicated.
 
-The rule is a sharding strategy, as torch's for its list op ``_fused_adamw_``: one
-:class:`OpSpec` whose input specs are the arguments' own (nothing is redistributed; an
-uneven or empty shard is a shard like any other), so DTensor calls the op on the local
-shards, where the dispatcher reaches the op's kernels. (``register_sharding`` writes the same
-table, but expands its placements with a check that drops any layout where a tensor has fewer
-rows than shards: a ``[2, n]`` parameter on 3 ranks would have no strategy.)
+The rule is a sharding strategy, as torch's for ``_fused_adamw_``: one :class:`OpSpec` whose
+input specs are the arguments' own (nothing is redistributed; an uneven or empty shard is a shard
+like any other), so DTensor calls the op on the local shards. (``register_sharding`` would drop
+layouts where a tensor has fewer rows than shards: a ``[2, n]`` parameter on 3 ranks.)
 
 With stochastic rounding, each element's draw follows its place in the full parameter:
 ``starts[i]`` (:func:`flat_starts`) is an int64 DTensor sharded as ``params[i]``, one

@@ -1,33 +1,23 @@
 """A listable, undoable set of overrides of DTensor's dispatch tables.
 
-DTensor picks the rule for an op overload in this order (torch 2.13,
-``ShardingPropagator.propagate_op_sharding_non_cached``)::
-
-    OpDispatcher._custom_op_handlers[op]          # bypasses propagation
-    ShardingPropagator.op_single_dim_strategy_funcs[op]
-    ShardingPropagator.op_strategy_funcs[op]      # also where register_sharding writes
-    ShardingPropagator.op_to_rules[op]
-    decomposition
-
-so replacing an op strategy must also take the op out of the single-dim table,
-and every change must be followed by clearing the sharding caches (the Python
-LRU, the C++ fast-path cache and the tensor-meta cache).  The Python LRU is
-thread-local in torch 2.13: install before starting threads that run DTensor.
+DTensor picks the rule for an op overload from ``OpDispatcher._custom_op_handlers`` (bypassing
+propagation), then ``ShardingPropagator.op_single_dim_strategy_funcs``, ``op_strategy_funcs``
+(where ``register_sharding`` writes) and ``op_to_rules``, then decomposition (torch 2.13,
+``propagate_op_sharding_non_cached``). So replacing an op strategy also takes the op out of the
+single-dim table, and every change clears the sharding caches (the Python LRU, which is
+thread-local: install before starting threads that run DTensor; the C++ fast-path cache; the
+tensor-meta cache).
 
 Invariants kept by :class:`Registry`:
 
-* ``install()`` is idempotent; ``uninstall()`` is its exact inverse: every
-  table entry it wrote is put back to the object that was there before (or
-  removed if there was none), provided nobody replaced our entry meanwhile
-  (then the foreign entry is left alone and a warning names it).
-* A rule whose ``needed`` check says this torch already has the fix is not
-  written (:meth:`Registry.not_needed` lists it).
-* A handler rule with a ``device_type`` acts on meshes of that device type only: its op's
-  ``_custom_op_handlers`` entry is a :class:`DeviceHandlers`, which runs torch's own entry (or
-  torch's path, :func:`_compat.dispatch_as_torch`) for every other mesh.
-* The only state is ``Registry._saved`` / ``Registry._written`` /
-  ``Registry._report`` / ``Registry._not_needed``; all are empty whenever
-  nothing is installed.
+* ``install()`` is idempotent and ``uninstall()`` its exact inverse: every entry it wrote goes
+  back to what was there (or is removed), unless someone replaced it meanwhile (then the foreign
+  entry stays and a warning names it);
+* a rule whose ``needed`` check says this torch has the fix is not written (:meth:`Registry.not_needed`);
+* a handler rule with a ``device_type`` acts on meshes of that type only (:class:`DeviceHandlers`
+  runs torch's own entry or path for every other mesh);
+* the registry's only state (``_saved``, ``_written``, ``_report``, ``_not_needed``) is empty
+  whenever nothing is installed.
 """
 
 from __future__ import annotations

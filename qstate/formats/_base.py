@@ -1,60 +1,22 @@
-"""Blockwise quantization formats: encode/decode only.
+"""Blockwise quantization formats: encode and decode, nothing else.
 
-Storage rules shared by every format
-------------------------------------
-A format quantizes a 2-D float tensor ``x`` of shape ``[R, L]`` ("rows") in
-blocks of ``block_size`` consecutive elements of one row; blocks never cross
-rows and the last block of a row may be partial. It returns
+Storage rules every format keeps:
 
-* ``codes``: ``uint8`` ``[R, ceil(L * bits / 8)]``; with ``bits == 4`` element
-  ``2j`` of a row sits in the low nibble of byte ``j`` and element ``2j + 1``
-  in the high nibble (an odd row ends with a zero high nibble);
-* ``scale``: ``float32`` ``[R, ceil(L / block_size)]``; a block decodes as
-  ``code_value(codes) * scale`` where ``scale = absmax(block) / max_code``.
-
-A block of zeros has ``scale == 0`` and decodes to exact zeros. Every format
-holds the value 0 exactly (its *zero code*), so padding with zero codes adds
-exact zeros. Unsigned formats never decode a positive input as 0: a positive
-value below the smallest positive code rounds *up* to that code, so a second
-moment ``v > 0`` never comes back as 0 (the cause of exploding Adam updates
-with other 8-bit optimizers). That holds for every ``x > 0``, however far
-below its block's absmax: a nonzero ``x`` whose quotient ``x / scale``
-underflows float32 (a block spanning more than ~1e45) normalizes to the
-smallest subnormal of its sign, ``+-2**-149``, not to 0 (see
-:meth:`BlockFormat.normalize`). Unsigned formats expect ``x >= 0``; negative
-inputs encode as 0.
-
-Rounding: every format rounds to the nearest code (``rounding="nearest"``);
-a format may also implement ``rounding="stochastic"`` (unbiased, see
-:mod:`qstate.formats._rounding`) for the signedness it lists in
-:meth:`BlockFormat.supports_rounding`. A value on a code (0, a block's
-absmax at ``+-max_code``) encodes exactly in both modes, so scales and zero
-blocks do not depend on the mode.
-
-Re-encoding is a fixed point: for every format, signedness and rounding mode,
-``q.copy_(q.dequantize())`` keeps every code and every scale bit for bit
-(where the decoded values are normal floats or zero). A block's absmax
-element is stored exactly (every format has ``+-max_code``), so the decoded
-block has the same absmax and scale (``fp8``: see :meth:`BlockFormat.scale_of`);
-every other decoded value normalizes to its code's value or one of that
-value's neighbouring floats, which both modes encode as that code.
-
-Non-finite values: a block's absmax is ``+inf`` if the block holds an
-infinity, else NaN if it holds a NaN (:func:`block_absmax`), so its scale is
-infinite or NaN and its finite values cannot be represented. The normalized
-value of an element is ``x / scale`` except where that is NaN
-(:meth:`BlockFormat.normalize`): an infinity then takes ``+-max_code`` (the
-code of its sign at the end of the map), a NaN the zero code (and a finite
-value of a NaN-scale block ``x`` clamped to ``+-max_code``, which decodes to
-NaN whatever its code). Decoding ``code_value * scale``
-then gives, for every format, rounding mode and path that encodes:
-
-* an infinity decodes to the infinity of its sign (an unsigned state, which
-  has no negative codes, decodes ``-inf`` as NaN);
-* a NaN decodes to NaN;
-* every other element of a block holding an infinity or a NaN decodes to NaN
-  (``0 * inf`` or ``* NaN``): a value that lost its scale is marked lost,
-  never invented (a second moment read back as 0 would blow up an update).
+* a 2-D float tensor ``[R, L]`` is quantized in blocks of ``block_size`` consecutive elements of
+  one row; blocks never cross rows and a row's last block may be partial;
+* ``codes``: ``uint8`` ``[R, ceil(L * bits / 8)]`` (4 bits: element ``2j`` of a row in the low
+  nibble of byte ``j``, ``2j + 1`` in the high one; an odd row ends with a zero nibble);
+  ``scale``: ``float32`` ``[R, ceil(L / block_size)]``; a block decodes as ``value_of(codes) * scale``;
+* 0 is exact (the zero code): a zero block has scale 0, and zero codes pad with exact zeros;
+* unsigned formats never decode a positive input as 0 (it rounds up to the smallest positive
+  code, however small: :meth:`BlockFormat.normalize`); negative inputs encode as 0;
+* every format rounds to nearest, some also stochastically (:meth:`BlockFormat.supports_rounding`,
+  :mod:`qstate.formats._rounding`); a value on a code (0, ``+-max_code``) encodes exactly in both;
+* re-encoding is a fixed point: ``q.copy_(q.dequantize())`` keeps every code and scale bit for bit
+  (a block's absmax is stored exactly, so its scale survives: :meth:`BlockFormat.scale_of`);
+* a lost value is marked, never invented: a block holding an infinity has an infinite scale, one
+  holding a NaN (and no infinity) a NaN scale; an infinity decodes to the infinity of its sign
+  (unsigned: ``-inf`` to NaN), a NaN to NaN, and every other value of that block to NaN.
 """
 
 from __future__ import annotations

@@ -1,45 +1,20 @@
 """``fp8``: blockwise scale + ``float8_e4m3fn`` codes (stored as their ``uint8`` bits).
 
-``scale = fl(fl(448 * s0) / 448)`` with ``s0 = fl(absmax / 448)`` (448 is
-e4m3fn's largest finite value; :meth:`Float8Format.scale_of`), so a block's
-largest element decodes to ``fl(448 * scale)``, within ``2**-22`` of itself,
-and the others keep 3 mantissa bits
-(relative error <= 2**-4), down to the subnormal step ``2**-9 * scale``.
-Unsigned states round a positive value below that step up to it, never to 0.
-Codes are torch's ``float8_e4m3fn`` conversion of the value clamped to
-``[-448, 448]``: a value past 448, an infinity included, takes 448's code,
-and only NaN takes a NaN code. (torch 2.13's conversion saturates by
-itself; older ones, 2.11 among them, give NaN from 480 up, so the clamp
-keeps every version's codes, and the C kernel's, the same.) Past 448
-happens where the scale is subnormal (a block's absmax under
-``448 * 2**-126``): ``absmax / 448`` is then coarse (absmax
-``1000 * 2**-149`` has the scale ``2 * 2**-149``, and that element is 500
-scales).
+Storage rules (beside :mod:`qstate.formats._base`'s):
 
-Rounding: signed states round to nearest (``rounding="nearest"``), the
-conversion above. Unsigned states also implement ``rounding="stochastic"``
-(:mod:`qstate.formats._rounding`'s spec, :func:`stochastic_code`) on the
-sorted map of the 127 non-negative finite codes ``0x00..0x7e`` (a code's
-value is its ``float8_e4m3fn`` value, so for ``y >= 0`` the code is the index
-in that map): a positive ``y`` takes the code below or above it with
-probabilities that make the expected decoded value ``y`` (a ``y`` past 448
-takes 448's code), then the never-0 rule above (a positive value below
-``2**-9`` rounds up to ``0x01``); ``y <= 0`` (``-0.0`` included) and NaN keep
-their nearest codes. Why unsigned states: a second moment is an EMA whose
-per-step change (``1 - beta2`` of its value: 0.1% for Adam's default
-``beta2 = 0.999``) is far below half the
-3-bit mantissa's step (``2**-5`` relative), so round-to-nearest writes most
-of them back unchanged and they stop tracking the gradients; stochastic
-rounding keeps each one's expectation. Decoding does not depend on the
-rounding: a state's codes always decode as their ``float8_e4m3fn`` values
-times the scale.
+* ``scale = fl(fl(448 * s0) / 448)`` with ``s0 = fl(absmax / 448)`` (:meth:`Float8Format.scale_of`),
+  so a block's largest element decodes within ``2**-22`` of itself and re-encoding keeps the scale;
+  the others keep 3 mantissa bits, down to the subnormal step ``2**-9 * scale``;
+* codes are torch's ``float8_e4m3fn`` conversion of the value clamped to ``[-448, 448]``: a value
+  past 448, an infinity included, takes 448's code, and only NaN takes a NaN code (the same on
+  every torch version and in the C kernel);
+* unsigned states round a positive value below ``2**-9 * scale`` up to it, never to 0;
+* signed states round to nearest; unsigned states also round stochastically, on the sorted map
+  of the non-negative finite codes (:data:`NON_NEGATIVE_VALUES`); decoding never depends on the
+  rounding.
 
-Range: codes span ``2**-9 .. 448`` times the scale, so a block holds values
-down to ``absmax * 2**-17.8``; smaller positive values of an unsigned block
-read back as ``2**-9 * scale`` (too large, never 0). Scales are float32:
-a block whose absmax is below ``448 * 2**-149`` (about ``6e-43``) has a
-scale that underflows to 0 or to a coarse subnormal, so it decodes as zeros
-(only an all-zero block should) or with the larger errors above.
+Range: a block holds values down to ``absmax * 2**-17.8``; a block whose absmax is below
+``448 * 2**-149`` has a scale that underflows to 0 or to a coarse subnormal.
 """
 
 from __future__ import annotations
@@ -81,11 +56,27 @@ class Float8Format(BlockFormat):
         return (s0 * self.max_code) / self.max_code
 
     def supports_rounding(self, rounding: str, signed: bool) -> bool:
-        """Nearest for every state; stochastic for unsigned states (module docstring)."""
+        """Nearest for every state; stochastic for unsigned states.
+
+        Stochastic rounding (:func:`~qstate.formats._rounding.stochastic_code`) runs on the sorted
+        map of the 127 non-negative finite codes ``0x00..0x7e`` (the code of ``y >= 0`` is its index
+        there): a positive ``y`` takes the code below or above it so that the expected decoded
+        value is ``y`` (past 448: 448's code), then the never-0 rule (below ``2**-9``: ``0x01``);
+        ``y <= 0`` and NaN keep their nearest codes. Why unsigned states: a second moment's
+        per-step change (``1 - beta2`` of its value) is far below half the 3-bit mantissa's step
+        (``2**-5`` relative), so round-to-nearest writes most of them back unchanged and they stop
+        tracking the gradients; stochastic rounding keeps each one's expectation.
+        """
         return rounding == "nearest" or (rounding == "stochastic" and not signed)
 
     def code_of(self, y: Tensor, signed: bool, qmap: Optional[Tensor], rounding: str = "nearest",
                 draws: Optional[Tensor] = None) -> Tensor:
+        """Codes of normalized ``y``: ``y`` clamped to ``[-448, 448]``, then torch's conversion.
+
+        The clamp keeps every torch version's codes, and the C kernel's, the same (torch 2.13's
+        conversion saturates by itself; older ones, 2.11 among them, give NaN from 480 up). A ``y``
+        past 448 happens only where the scale is subnormal (a block's absmax under
+        ``448 * 2**-126``), since ``absmax / 448`` is then coarse."""
         assert self.supports_rounding(rounding, signed), (rounding, signed)
         codes = y.clamp(-self.max_code, self.max_code).to(_E4M3).view(torch.uint8)
         if not signed:

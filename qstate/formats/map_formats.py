@@ -1,57 +1,19 @@
 """Formats whose codes index a sorted 16- or 256-entry map (``8bit``, ``4bit``).
 
-Maps
-----
-* ``8bit`` unsigned: the dynamic-tree map of bitsandbytes and of the 8-bit
-  optimizers paper (``create_dynamic_map(False, 7, 8)``): a decimal exponent
-  (1e-6 .. 1) plus a linear fraction, with 0 and 1.0 exact. Codes equal
-  bitsandbytes' ``quantize_blockwise`` codes for the same map.
-* ``8bit`` signed: :func:`mirrored_dynamic_map`, the positive half of
-  bitsandbytes' signed dynamic map (``create_dynamic_map(True, 7, 8)``: 127
-  entries from 5.5e-7 to 0.99297, and 1.0), 0, and the mirror image of that
-  half without its smallest entry: 127 negative entries from -1.0 to -3.25e-6.
-  Storage rule: **both extremes are exact**, ``-1`` and ``+1``. A block's
-  absmax element decodes to itself whatever its sign, so decoding and
-  re-encoding a state changes no code and no scale (a fixed point), and an
-  EMA held at a persistent outlier stays at it. bitsandbytes' map has +1 but
-  not -1: a block whose absmax element is negative stores it as -0.99297
-  times its absmax, every re-encode shrinks it by 0.7% more (-1.0 reads
-  -0.49 after 100 ``copy_(dequantize())``), and an EMA at a persistent
-  negative outlier settles at a biased fixed point (SGD momentum 0.99 with a
-  constant gradient -1 there: -58.5 instead of -100). Mirroring keeps every
-  step between entries what it was (the largest, 0.014, next to +-1); the
-  entry that makes room, -5.5e-7, is the one nearest 0 (negative values under
-  1.6e-6 of the absmax now round to 0 or to -3.25e-6).
-  bitsandbytes' map itself is :data:`LEGACY_SIGNED_8BIT_MAP`: states that carry it
-  (checkpoints written before this map) are refused by the optimizers and
-  the fused kernels, and :func:`qstate.optim.convert_state_dict` rewrites
-  them (decoded with their map, encoded with this one); see
-  :func:`legacy_map_name`.
-* ``4bit`` signed: :func:`normal_map`, the 16-entry "NormalFloat" map of QLoRA
-  (quantiles of a normal distribution): exact 0 and exact -1 and +1, 7
-  negative and 8 positive entries, steps of 0.08 .. 0.30 of the block's absmax.
-  Why not the 4-bit dynamic map (``create_dynamic_map(True, 3, 4)``, used by
-  "Memory Efficient Optimizers with 4-bit States" and torchao): its 16 entries
-  spend two levels per sign on ``|x| < 0.035 * absmax`` and leave steps of
-  0.135 .. 0.225 where a first moment's mass lies, and it has +1 but not -1,
-  so a block whose absmax is negative decodes it 11% short. With
-  round-to-nearest an EMA ``m <- m + (1 - beta) (g - m)`` whose increment is
-  under half a step never moves the code; coarse steps there make ``m`` lag.
-  Unbiased stochastic rounding (``rounding="stochastic"``, the optimizers'
-  default for signed 4bit states) keeps it moving on average.
-* ``4bit`` unsigned: :func:`square_map`, ``(k / 15) ** 2``: linear in
-  ``sqrt(x)``. A second moment divides Adam's update through ``sqrt(v)``, and
-  within a 128-element block ``v`` spans decades (one large gradient sets the
-  absmax); a map linear in ``v`` decodes every ``v`` under 1/30 of the
-  absmax as 1/15 of it (``sqrt(v)`` too large, the update too small, up to
-  ~4x at 1/225), which is where 4-bit AdamW fell behind fp32 late in training.
-  This map's smallest positive entry is 1/225 of the absmax and ``sqrt(v)``
-  is within 0.59 of a step of 1/15 of ``sqrt(absmax)`` above it. It keeps an exact 0 (for
-  padding and all-zero blocks); a positive value never decodes as 0 (see
-  ``_base``): it rounds up to the smallest positive entry.
+Maps (each function's docstring says why it is this map):
 
-Measurements behind these choices are in ``benchmarks/RESULTS.md`` (4-bit
-state quality).
+* ``8bit`` unsigned: bitsandbytes' dynamic-tree map (:func:`dynamic_map`), 0 and 1 exact; codes
+  equal bitsandbytes' ``quantize_blockwise`` codes;
+* ``8bit`` signed: :func:`mirrored_dynamic_map`, bitsandbytes' signed map made symmetric:
+  **-1 and +1 are both exact**, so a block's absmax decodes to itself whatever its sign;
+* ``4bit`` signed: :func:`normal_map`, QLoRA's NF4 quantiles, 0, -1 and +1 exact;
+* ``4bit`` unsigned: :func:`square_map`, ``(k / 15) ** 2``, linear in ``sqrt(v)``, 0 exact.
+
+Every map holds 0, ``-1`` (signed) and ``+1`` exactly, so the storage rules of
+:mod:`qstate.formats._base` hold. States that carry bitsandbytes' own signed map
+(:data:`LEGACY_SIGNED_8BIT_MAP`, checkpoints written before the mirrored map) are refused by the
+optimizers and the fused kernels; :func:`qstate.optim.convert_state_dict` rewrites them
+(:func:`legacy_map_name`).
 """
 
 from __future__ import annotations
@@ -110,11 +72,19 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
 
 
 def mirrored_dynamic_map(max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
-    """The signed map of the ``8bit`` format, sorted, ``float32`` (module docstring).
+    """The signed map of the ``8bit`` format, sorted, ``float32``.
 
     The positive half of ``dynamic_map(True, max_exponent_bits, total_bits)`` (1.0 included), 0, and
     the negatives of that half but its smallest entry: exact -1, 0 and +1, every step between
-    neighbours the same on both sides but for the two entries nearest 0 on the negative side.
+    neighbours the same on both sides but for the two entries nearest 0 on the negative side
+    (negative values under 1.6e-6 of the absmax round to 0 or to -3.25e-6).
+
+    Why both extremes: a block's absmax element then decodes to itself whatever its sign, so
+    decoding and re-encoding a state changes no code and no scale, and an EMA held at a persistent
+    outlier stays at it. bitsandbytes' map has +1 but not -1: a negative absmax element is stored
+    as -0.99297 times the absmax, every re-encode shrinks it by 0.7% more (-1.0 reads -0.49 after
+    100 ``copy_(dequantize())``), and an EMA at a persistent negative outlier settles at a biased
+    fixed point (SGD momentum 0.99 with a constant gradient -1 there: -58.5 instead of -100).
     """
     positive = dynamic_map(True, max_exponent_bits, total_bits)
     positive = positive[positive > 0]
@@ -156,6 +126,13 @@ def normal_map(offset: float = NF4_OFFSET) -> Tensor:
     plus an exact 0, divided by the largest: 7 negative and 8 positive
     entries, with 0, -1 and +1 exact; steps grow from 0.08 near 0 to 0.30
     next to -1 (QLoRA's NF4 constants to within 1e-6).
+
+    Why not the 4-bit dynamic map (``dynamic_map(True, 3, 4)``, used by "Memory Efficient
+    Optimizers with 4-bit States" and torchao): its 16 entries spend two levels per sign on
+    ``|x| < 0.035 * absmax`` and leave steps of 0.135 .. 0.225 where a first moment's mass lies,
+    and it has +1 but not -1 (a negative absmax decodes 11% short). With round-to-nearest an EMA
+    whose increment is under half a step never moves its code, so coarse steps there make it lag;
+    stochastic rounding (the optimizers' default for signed 4bit states) keeps it moving on average.
     """
     if not 0.5 < offset < 1.0:
         raise ValueError(f"normal_map: offset must be in (0.5, 1), got {offset!r}")
@@ -174,6 +151,10 @@ def square_map(entries: int = 16) -> Tensor:
     of the block's ``sqrt(absmax)``) of its value where ``v`` is at least the smallest positive
     entry, ``1 / (entries - 1) ** 2`` of the block's absmax, and within one step below it. Exact 0
     and 1.
+
+    Why: within a block ``v`` spans decades (one large gradient sets the absmax); a map linear in
+    ``v`` decodes every ``v`` under 1/30 of the absmax as 1/15 of it, so ``sqrt(v)`` comes back too
+    large and the update too small (by up to 4 times at 1/225 of the absmax).
     """
     if entries < 2:
         raise ValueError(f"square_map: entries must be >= 2, got {entries!r}")

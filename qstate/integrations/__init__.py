@@ -3,5 +3,5 @@
 One module per trainer, imported by name (``import qstate.integrations.torchtitan``); each
 needs its trainer installed (``pip install "qstate[integrations]"``) and ``import qstate``
 imports none of them. HF ``Trainer`` and Lightning take qstate's optimizers as they are
-(README, "Integrations").
+(docs/integrations.md).
 """

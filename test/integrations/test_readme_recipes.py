@@ -1,4 +1,4 @@
-"""README.md's trainer recipes (the Python blocks after ``<!-- needs: PACKAGE -->``) run as written.
+"""docs/integrations.md's trainer recipes (the Python blocks after ``<!-- needs: PACKAGE -->``) run as written.
 
 Each package's blocks run in order in one namespace holding what a user of that trainer has at
 hand (``torch``, ``qstate``, the package, and for HF ``model``, ``args``, ``train_dataset``), and
@@ -7,6 +7,7 @@ what they build is checked: qstate's optimizer, trained, resumed.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import pytest
@@ -19,15 +20,18 @@ import qstate.optim
 from readme_blocks import readme_blocks
 from trainer_packages import require
 
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                       "integrations.md")
+
 
 def _run_recipes(package: str, namespace: dict, before: Optional[dict[int, dict]] = None) -> dict:
     """Run ``package``'s recipes in order in ``namespace``; ``before[i]`` updates it before recipe ``i``."""
-    blocks = [b.code for b in readme_blocks("python") if b.needs == package]
-    assert blocks, f"README.md has no recipe for {package}"
+    blocks = [b.code for b in readme_blocks("python", RECIPES) if b.needs == package]
+    assert blocks, f"docs/integrations.md has no recipe for {package}"
     namespace = {"__name__": "__readme__", "torch": torch, "qstate": qstate, **namespace}
     for i, code in enumerate(blocks):
         namespace.update((before or {}).get(i, {}))
-        exec(compile(code, f"README.md {package} recipe {i}", "exec"), namespace)
+        exec(compile(code, f"docs/integrations.md {package} recipe {i}", "exec"), namespace)
     return namespace
 
 
@@ -98,4 +102,4 @@ def test_torchtitan_recipe():
 
 @pytest.mark.parametrize("package", ["transformers", "lightning", "torchtitan"])
 def test_every_trainer_has_a_recipe(package):
-    assert [b for b in readme_blocks("python") if b.needs == package]
+    assert [b for b in readme_blocks("python", RECIPES) if b.needs == package]
