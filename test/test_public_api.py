@@ -7,6 +7,7 @@ import pathlib
 
 import qstate
 import qstate.optim
+from qstate.optim._policy_optimizer import PolicyOptimizer
 
 ROOT = pathlib.Path(qstate.__file__).resolve().parent.parent
 
@@ -17,15 +18,16 @@ def test_qstate_optim_exports_what_users_and_rule_authors_need():
     assert sorted(qstate.optim.__all__) == sorted([
         "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
         "convert_state_dict", "cpu_kernel_enabled", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
-        "StateSpec", "UpdateRule", "register_rule"])
+        "StateSpec", "UpdateRule", "register_rule", "StatePolicy"])
     for name in qstate.optim.__all__:
         assert hasattr(qstate.optim, name), name
 
 
 def test_every_exported_optimizer_is_documented():
     optimizers = [name for name in qstate.optim.__all__ if inspect.isclass(getattr(qstate.optim, name))
-                  and issubclass(getattr(qstate.optim, name), qstate.optim.QuantizedOptimizer)
+                  and issubclass(getattr(qstate.optim, name), PolicyOptimizer)
                   and name != "QuantizedOptimizer"]
+    assert "Muon" in optimizers
     readme = (ROOT / "README.md").read_text()
     for name in optimizers:
         assert f"`{name}`" in readme or f"optim.{name}" in readme, f"README.md does not name {name}"

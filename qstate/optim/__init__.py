@@ -21,7 +21,8 @@ The kernels' building blocks (state kinds, kernel specs, codecs, draws) are the 
 from . import _cpu_encode  # noqa: F401  (registers the C kernel's encode of CPU states)
 from . import functional
 from ._cpu_kernel import cpu_kernel_enabled
-from ._base import STATE_FORMATS, QuantizedOptimizer
+from ._base import QuantizedOptimizer
+from ._policy import STATE_FORMATS, StatePolicy
 from ._convert import convert_state_dict
 from ._param_rounding import stochastic_round_bf16
 from .rules import StateSpec, UpdateRule, register_rule
@@ -34,5 +35,5 @@ from .sgd import SGD
 __all__ = [
     "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
     "convert_state_dict", "cpu_kernel_enabled", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
-    "StateSpec", "UpdateRule", "register_rule",
+    "StateSpec", "UpdateRule", "register_rule", "StatePolicy",
 ]
