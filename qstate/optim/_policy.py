@@ -47,7 +47,8 @@ def STATE_FORMATS() -> list[str]:
 class StatePolicy:
     """What an optimizer's states are and how its step writes them: the keyword arguments every
     qstate optimizer takes besides its hyperparameters (``AdamW(params, lr=1e-3, state_format="4bit",
-    seed=0)``). Checked when built: a bad value raises ``TypeError``/``ValueError`` naming the option.
+    seed=0)``; a policy object goes in as ``AdamW(params, **dataclasses.asdict(policy))``). Checked
+    when built: a bad value raises ``TypeError``/``ValueError`` naming the option.
 
     Args:
         state_format (str): ``"8bit"``, ``"4bit"``, ``"fp8"`` (quantized states,
