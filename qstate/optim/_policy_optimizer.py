@@ -71,10 +71,11 @@ Everything else lives here:
   parameter's dtype, which dequantizes) and moves them to the parameter's
   device. ``load_state_dict`` checks all of the state dict before it changes
   anything: its layout (``state``/``param_groups``, group and parameter
-  counts), every parameter's states (each of the rule's, plus ``step``, of
-  exactly the kind this optimizer would create: format, signedness, block
-  size, rounding, dtype (a quantized state's appearance dtype included), shape;
-  a quantized state's parts as well: :meth:`~qstate.QuantizedState.check`)
+  counts), every parameter's states (each its group keeps,
+  :meth:`PolicyOptimizer._state_specs`, plus ``step``, of exactly the kind
+  this optimizer would create: format, signedness, block size, rounding,
+  dtype (a quantized state's appearance dtype included), shape; a quantized
+  state's parts as well: :meth:`~qstate.QuantizedState.check`)
   and the policy options
   (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
   ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
@@ -200,7 +201,7 @@ class PolicyOptimizer(torch.optim.Optimizer):
         (``"8bit"``, ``"4bit"``, ``"fp8"``, ``"fp32"``, ``"bf16"``) to its ``states``, ``elements``,
         ``storage_nbytes`` (codes, scales and code maps of quantized states; ``numel * element_size``
         of plain ones) and ``fp32_nbytes`` (``4 * elements``); ``storage_nbytes``/``fp32_nbytes`` are
-        the totals. Counts the rule's states (not ``step``), local to this rank: a DTensor state
+        the totals. Counts the states its groups keep (not ``step``), local to this rank: a DTensor state
         (FSDP2) counts its local shard. No collective: sum over ranks with ``all_reduce`` if needed.
         (A :class:`~qstate.QuantizedState`'s ``nbytes`` is torch's logical size, ``numel * 4``: read
         :meth:`~qstate.QuantizedState.storage_nbytes` or this.)
@@ -461,8 +462,8 @@ class PolicyOptimizer(torch.optim.Optimizer):
         """Check every state of ``state_dict`` against this optimizer's state policy.
 
         ``state_dict`` has passed :func:`check_layout` and has every option (:meth:`_with_missing_options`).
-        A parameter's entry is empty (no step yet) or holds exactly its rule's states, of the kinds the
-        optimizer creates (:meth:`_check_state`), and a one-element ``step`` tensor; then the policy
+        A parameter's entry is empty (no step yet) or holds exactly its group's states
+        (:meth:`_state_specs`), of the kinds the optimizer creates (:meth:`_check_state`), and a one-element ``step`` tensor; then the policy
         options (:data:`POLICY_OPTIONS`) must equal the optimizer's. Runs before ``load_state_dict``
         changes anything, so a rejected checkpoint leaves the optimizer as it was.
         """
