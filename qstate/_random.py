@@ -59,7 +59,7 @@ def as_int64(u: int) -> int:
 # ------------------------------------------------------------------------ keys
 def param_key() -> int:
     """63 random bits from the CPU's default generator (in an optimizer step: its rounding stream, which
-    ``QuantizedOptimizer.step`` seeds from the seed, group and step)."""
+    ``PolicyOptimizer.step`` seeds from the seed, group and step)."""
     with _disable_current_modes():  # host data: drawn on the host, never by a mode (LocalTensorMode's per rank)
         return int(torch.empty((), dtype=torch.int64).random_())
 

@@ -248,7 +248,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: Any = None, storage_reade
 def _check_policy_options(dst: Any, src: Any, path: str) -> None:
     """Raise unless every qstate param group in ``dst`` (a dict with a ``state_format``) has the
     policy options of its loaded copy ``src``: loading never changes an optimizer's state policy."""
-    from .optim._base import POLICY_OPTIONS
+    from .optim._policy import POLICY_OPTIONS
 
     if isinstance(dst, dict):
         if "state_format" in dst and isinstance(src, dict):

@@ -13,7 +13,7 @@ def test_qstate_optim_exports_what_users_and_rule_authors_need():
     assert sorted(qstate.optim.__all__) == sorted([
         "AdamW", "Adam", "AdEMAMix", "Lion", "SGD", "Muon", "QuantizedOptimizer", "functional", "STATE_FORMATS",
         "convert_state_dict", "cpu_kernel_enabled", "stochastic_round_bf16", "adam_bound", "adam_update_bound",
-        "StateSpec", "UpdateRule", "register_rule"])
+        "StateSpec", "UpdateRule", "register_rule", "StatePolicy"])
     for name in qstate.optim.__all__:
         assert hasattr(qstate.optim, name), name
 

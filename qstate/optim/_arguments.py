@@ -1,49 +1,8 @@
-"""The arguments every qstate optimizer takes, and the checks of torch.optim's.
+"""torch.optim's arguments every qstate optimizer shares (``lr``, the implementation arguments) and their checks.
 
-Common keyword-only arguments (see ``_base.py`` for the policy):
-
-* ``state_format``: ``"8bit"``, ``"4bit"``, ``"fp8"`` (quantized states,
-  :class:`~qstate.QuantizedState`), ``"bf16"`` or ``"fp32"`` (plain states);
-* ``block_size``: quantization block size (default: the format's);
-* ``state_rounding`` (None): how new values are rounded into the *signed*
-  quantized states (first moments, momentum buffers): ``"nearest"`` or
-  ``"stochastic"`` (unbiased; drawn by each element's place under a key per
-  parameter and step, the same on every rank and path; the map formats
-  ``8bit``/``4bit`` implement it). None: stochastic for ``4bit``
-  (whose round-to-nearest stalls small EMA increments), nearest otherwise.
-  Unsigned states (second moments) round stochastically in ``fp8`` (whose
-  3 mantissa bits hold an EMA's 0.1% steps still under round-to-nearest;
-  never to 0) and to nearest in the other formats, whatever this option
-  says. Each state keeps
-  its rounding (``QuantizedState.rounding``); loading a checkpoint whose
-  states round otherwise raises;
-* ``min_quantize_numel`` (4096): parameters with fewer elements keep float32
-  states;
-* ``bf16_stochastic_round``: write bfloat16 parameters with unbiased
-  stochastic rounding (the optimizer's own, saved, random stream);
-* ``compile`` (True): the fused path's compiled kernels (one per kernel spec);
-  ``False`` runs the same math eagerly op by op, tensor by tensor (the for-loop
-  path of the table below);
-* ``seed``: seed of the stochastic-rounding stream (default: drawn at
-  construction from a private generator seeded with ``torch.initial_seed()``, the
-  seed ``torch.manual_seed`` set, and, when ``torch.distributed`` runs more than
-  one rank, replaced by rank 0's at the first step that rounds, so every rank
-  draws the same stream). Building an optimizer and stepping it leave torch's
-  global generators (CPU and accelerator) as they were: a run draws the same
-  dropout masks as with ``torch.optim``. Optimizers built under the same
-  ``torch.manual_seed`` get the same default seed: pass ``seed=`` to give each
-  (one per model part, say) a stream of its own; a checkpoint keeps it (in its
-  param groups);
-* ``skip_nonfinite`` (False): skip a step whose gradients hold an inf or a
-  NaN on any rank, leaving parameters, states and step counts bit-identical
-  (torch's AMP ``found_inf`` protocol; a ``GradScaler``'s ``found_inf`` is
-  used as it is, otherwise the step checks the gradients:
-  :func:`qstate.amp.found_non_finite`). Optimizer-wide: a step is taken or
-  skipped as a whole. With the default the gradient is applied as it is: an
-  inf or NaN makes that element's update non-finite, as in ``torch.optim``,
-  and in a quantized state the whole block of each state it reaches (its
-  finite values decode as NaN; ``qstate/formats/_base.py``), so the
-  parameter elements those blocks update.
+The state policy's keyword arguments (``state_format``, ``block_size``, ``min_quantize_numel``,
+``bf16_stochastic_round``, ``compile``, ``seed``, ``state_rounding``, ``skip_nonfinite``), which every
+optimizer takes, are :class:`~qstate.optim.StatePolicy`'s: its docstring documents them.
 
 torch.optim's implementation arguments (``fused``, ``foreach``, ``capturable``,
 ``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion and

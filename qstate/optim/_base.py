@@ -1,97 +1,20 @@
-"""``QuantizedOptimizer``: the state plumbing shared by every optimizer of ``qstate.optim``.
+"""The bases of qstate's optimizers: :class:`PolicyOptimizer` (the state policy's plumbing and the one
+step every optimizer shares) and :class:`QuantizedOptimizer` (the elementwise rules' base).
 
-A subclass names its :class:`~qstate.optim.rules.UpdateRule`, its defaults,
-argument checks and static flags; everything else lives here:
+A :class:`PolicyOptimizer` subclass names the states a group keeps (``_state_specs``), lays out a
+group's update (``_prepare_group``: checks, nothing written; ``run()`` writes) and checks its
+hyperparameters (``_check_group``); it assumes no elementwise rule (Muon is one). A
+:class:`QuantizedOptimizer` subclass names its :class:`~qstate.optim.rules.UpdateRule` and the rule's
+static flags (``rule_flags``); a group's update is the engine's ``prepare_update`` of the rule, on the
+path the group's ``fused``/``foreach`` choose (:func:`~._arguments.update_path`).
 
-* **policy** (per parameter, decided once, the same on every rank, from the
-  *global* shape: a DTensor's ``numel()`` is already global): a parameter with
-  ``p.numel() >= min_quantize_numel`` gets ``state_format`` states, smaller
-  ones get float32 states; a quantized format also needs ``p.ndim >= 2``
-  (:func:`qstate.wants_quantized`: 1-D shards would not start on block
-  boundaries), so 1-D parameters keep float32 states at any size. Nothing else ever changes the format: a
-  block size the format rejects, a parameter dtype it cannot hold, a loaded
-  state of another kind all raise, naming the parameter (index in
-  ``state_dict`` order and shape), the expected and the actual.
-* **rounding** of quantized states (:func:`state_rounding`, a property of each
-  state): signed states (first moments, momentum buffers) round
-  stochastically (unbiased) in ``4bit`` and to nearest in other formats,
-  unless the group's ``state_rounding`` (``"nearest"``/``"stochastic"``) says
-  otherwise; unsigned states (second moments) round stochastically in ``fp8``
-  (:data:`UNSIGNED_STOCHASTIC`) and to nearest in other formats, whatever the option. With
-  round-to-nearest a 4-bit EMA ``m <- m + 0.1 (g - m)`` never moves a code while
-  the increment is under half a map step (see ``qstate/formats/map_formats.py``).
-* **states**: created at the first step with ``qstate.zeros_like(p, fmt,
-  signed=..., block_size=..., dtype=float32, rounding=...)`` (DTensor
-  parameters get DTensor states) or ``torch.zeros_like(p, dtype=...)``;
-  ``state["step"]`` is a float32 CPU tensor as in ``torch.optim``.
-* **step**: :func:`qstate.optim._step.prepare_update` for every group, then
-  each group's update runs; ``lr`` may be a float or a tensor on any device
-  (converted once per step and device). All or nothing: every check (each
-  gradient, step count, missing state, the op's calls) runs before the first
-  write, so a step that raises there leaves parameters, states and counts as
-  they were, and a group's counts advance after all its writes (see
-  :meth:`QuantizedOptimizer.step`). Groups are checked when added or loaded
-  (``add_param_group`` keeps a group only if it is valid; ``load_state_dict``
-  checks loaded groups as constructor arguments and step counts as finite
-  non-negative integers).
-* **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
-  ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
-  instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
-  update unscales the gradient as it reads it, and a nonzero ``found_inf``
-  skips the step before anything (states, step counts) is created or written.
-* **non-finite gradients**: by default a step applies them as they are (an
-  inf or NaN reaches its quantized blocks and the parameter, see
-  ``qstate/formats/_base.py``). ``skip_nonfinite=True`` (optimizer-wide: a
-  step is taken or skipped as a whole, as with ``found_inf``) computes
-  ``found_inf`` when no scaler gave one (:func:`qstate.amp.found_non_finite`:
-  one read of the gradients, one all-reduce per mesh), so such a step is
-  skipped on every rank.
-* **stochastic rounding** of bfloat16 parameters and of states (signed
-  ``4bit`` states by default): the random stream is the
-  optimizer's own, a function of ``(seed, param group index, step)`` only: the
-  generators of the CPU (which draws each parameter's key) and of each
-  parameter's device are seeded from them for the group's update (and the
-  global ones restored afterwards). ``seed`` (given, or drawn at construction
-  from a private generator seeded with ``torch.initial_seed()``: building or
-  stepping an optimizer never draws from torch's global generators, so a run's
-  dropout masks and other draws are those of the same run with ``torch.optim``)
-  is a param-group entry and the step is a state,
-  so any checkpoint path that keeps param groups and states
-  (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
-  Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
-  initialized with more than one rank, the first step of an optimizer that
-  rounds (a group with ``bf16_stochastic_round`` or stochastic states) broadcasts rank 0's drawn seed
-  over the default process group (:meth:`_agree_seed`: one collective, once,
-  on every rank, so every rank must step its optimizers alike; constructing one
-  issues none) and every group that took the drawn seed takes rank 0's. A given
-  ``seed``, or one a loaded checkpoint set, is used as is.
-* **torch.optim's implementation arguments** (``fused``, ``foreach``,
-  ``capturable``, ``differentiable``) are param-group entries as in torch
-  (checked by the subclasses: only the values qstate honours); ``fused`` and
-  ``foreach`` choose each group's path at every step as they choose torch's
-  (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
-  CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
-  torch would move them to the parameter's device).
-* **state_dict**: copies of the states (:meth:`_states_as_copies`), quantized ones
-  as :class:`~qstate.QuantizedState` (``torch.load(weights_only=True)`` works after
-  ``import qstate``), so that a DCP load reading into them never writes a live state; loading
-  keeps their format and dtype (``torch.optim`` would cast states to the
-  parameter's dtype, which dequantizes) and moves them to the parameter's
-  device. ``load_state_dict`` checks all of the state dict before it changes
-  anything: its layout (``state``/``param_groups``, group and parameter
-  counts), every parameter's states (each of the rule's, plus ``step``, of
-  exactly the kind this optimizer would create: format, signedness, block
-  size, rounding, dtype (a quantized state's appearance dtype included), shape;
-  a quantized state's parts as well: :meth:`~qstate.QuantizedState.check`)
-  and the policy options
-  (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
-  ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
-  mismatch raises ``ValueError`` naming the parameter (or group and option),
-  the expected and the found, and leaves the optimizer as it was. Other
-  options are hyperparameters and, as in ``torch.optim``, the checkpoint's
-  win; an option the checkpoint predates (``state_rounding``) keeps the
-  optimizer's value. States of another policy, or ``torch.optim``'s, load
-  only after :func:`qstate.optim.convert_state_dict`.
+Invariants: the policy (:class:`~._policy.StatePolicy`) alone decides each state's kind, and nothing
+else changes a format; a step checks everything before its first write and advances a group's step
+counts after all its writes; a nonzero ``found_inf`` skips a step before anything is created or
+written; the stochastic-rounding stream is a function of ``(seed, group index, step)`` only, the same
+on every rank, and leaves torch's global generators as they were; ``state_dict()`` gives copies of
+the states, and ``load_state_dict`` checks the whole state dict (layout, every state's kind and
+parts, the policy options) before it changes anything. :class:`PolicyOptimizer` states each rule.
 """
 
 from __future__ import annotations
@@ -99,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,70 +34,22 @@ from .._dtensor import is_dtensor, local_of, state_kind
 from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
-from ..formats import FORMATS, ROUNDINGS, get_format
+from ..formats import get_format
 from ..formats.map_formats import legacy_map_name
 from ._engine import step as _step
 from ._arguments import FOREACH, FUSED, check_path, update_path
+from ._policy import (PLAIN_FORMATS, POLICY_OPTIONS, StatePolicy, check_group_options, rounds_states_stochastically,
+                      rounds_stochastically, state_rounding)
 from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
-from .rules import UpdateRule
+from .rules import StateSpec, UpdateRule
 from ._engine.spec import StateKind
 
-__all__ = ["QuantizedOptimizer", "STATE_FORMATS", "PLAIN_FORMATS", "POLICY_OPTIONS", "STOCHASTIC_BY_DEFAULT",
-           "state_rounding"]
+__all__ = ["PolicyOptimizer", "QuantizedOptimizer", "check_layout"]
 
-#: state formats that are plain tensors of a dtype
-PLAIN_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-#: group options that decide what each state is; a loaded state dict's must equal the optimizer's
-#: (states are converted only by :func:`qstate.optim.convert_state_dict`)
-POLICY_OPTIONS = ("state_format", "block_size", "state_rounding", "min_quantize_numel")
 _CONVERT_HINT = ("; a state dict of another policy loads after qstate.optim.convert_state_dict(state_dict, "
                  "optimizer)")
 #: parameter dtypes a quantized or bf16 state can serve (the math runs in float32)
 _LOW_PRECISION_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def STATE_FORMATS() -> list[str]:
-    """Every accepted ``state_format``: the registered quantized formats plus ``fp32``/``bf16``."""
-    return sorted(set(FORMATS) | set(PLAIN_FORMATS))
-
-
-#: formats whose signed states round stochastically when ``state_rounding`` is None: 4-bit
-#: round-to-nearest stalls small EMA increments (digits MLP, AdamW: +12.7% final loss vs fp32)
-STOCHASTIC_BY_DEFAULT = frozenset({"4bit"})
-
-
-#: formats whose unsigned states (second moments) round stochastically, whatever ``state_rounding``
-#: says: fp8's 3 mantissa bits hold an EMA's 0.1% steps (beta2 = 0.999) still under round-to-nearest
-#: (qstate.formats.fp8); its stochastic rounding never takes a positive value to 0
-UNSIGNED_STOCHASTIC = frozenset({"fp8"})
-
-
-def state_rounding(fmt: str, signed: bool, option: Optional[str]) -> str:
-    """The rounding of a quantized ``fmt`` state given the group's ``state_rounding`` ``option``.
-
-    Unsigned states (second moments) round stochastically for :data:`UNSIGNED_STOCHASTIC` formats
-    and to nearest for the others (their stochastic rounding could take a positive value down to 0),
-    whatever ``option`` says. Signed states take ``option``, or when it is None ``"stochastic"``
-    for :data:`STOCHASTIC_BY_DEFAULT` formats and ``"nearest"`` for the others.
-    """
-    if not signed:
-        return "stochastic" if fmt in UNSIGNED_STOCHASTIC else "nearest"
-    if option is None:
-        return "stochastic" if fmt in STOCHASTIC_BY_DEFAULT else "nearest"
-    return option
-
-
-def _rounds_states_stochastically(group: dict) -> bool:
-    """Whether ``group``'s quantized signed or unsigned states round stochastically (:func:`state_rounding`)."""
-    fmt = group["state_format"]
-    return fmt not in PLAIN_FORMATS and "stochastic" in (state_rounding(fmt, True, group["state_rounding"]),
-                                                         state_rounding(fmt, False, group["state_rounding"]))
-
-
-def _rounds_stochastically(group: dict) -> bool:
-    """Whether ``group``'s step draws from its rounding stream: bf16 parameters or states rounding
-    stochastically."""
-    return group["bf16_stochastic_round"] or _rounds_states_stochastically(group)
 
 
 _CPU = torch.device("cpu")
@@ -201,46 +76,124 @@ class _Keep:
 
 
 class _GroupStep(NamedTuple):
-    """One group's part of a step, checked and laid out (``QuantizedOptimizer._prepare_step``): the states
+    """One group's part of a step, checked and laid out (``PolicyOptimizer._prepare_step``): the states
     created for its parameters (installed when it runs), its rounding stream and its pending update
-    (:class:`~qstate.optim._step.PendingUpdate`)."""
+    (:meth:`PolicyOptimizer._prepare_group`'s)."""
 
     new_states: dict
     stream: Any
     update: Any
 
 
-class QuantizedOptimizer(torch.optim.Optimizer):
-    """Base of qstate's optimizers. A subclass sets :attr:`rule` (a registered
-    :class:`~qstate.optim.rules.UpdateRule`), passes its hyperparameters as ``defaults`` and the state
-    options to ``__init__``, and overrides :meth:`rule_flags` where its rule has static flags beyond
-    ``maximize``."""
+class PolicyOptimizer(torch.optim.Optimizer):
+    """Base of qstate's optimizers: states of a :class:`~._policy.StatePolicy`, one step skeleton.
 
-    rule: UpdateRule
+    A subclass passes its hyperparameters as ``defaults`` and the policy keywords it was given
+    (``**policy``) to ``__init__``, and implements :meth:`_state_specs` (the states a group keeps)
+    and :meth:`_prepare_group` (a group's update, checked and laid out, written by its ``run()``);
+    :meth:`_check_group` checks its hyperparameters. :meth:`step` runs the rest: the closure, the
+    AMP and ``skip_nonfinite`` protocol, missing states, every check before the first write, the
+    rounding stream of each group.
+
+    * **policy**: :class:`~._policy.StatePolicy` (its docstring: the options, which parameter gets which
+      state kind, the rounding of each state), checked at construction and for every group added or
+      loaded; :meth:`PolicyOptimizer.plan` gives each parameter's state kind from it. Nothing else ever
+      changes the format: a block size the format rejects, a parameter dtype it cannot hold, a loaded
+      state of another kind all raise, naming the parameter (index in ``state_dict`` order and shape),
+      the expected and the actual.
+    * **states**: created at the first step with ``qstate.zeros_like(p, fmt,
+      signed=..., block_size=..., dtype=float32, rounding=...)`` (DTensor
+      parameters get DTensor states) or ``torch.zeros_like(p, dtype=...)``;
+      ``state["step"]`` is a float32 CPU tensor as in ``torch.optim``.
+    * **step**: each group's update laid out (:meth:`PolicyOptimizer._prepare_group`), then
+      each group's update runs; ``lr`` may be a float or a tensor on any device
+      (converted once per step and device). All or nothing: every check (each
+      gradient, step count, missing state, the op's calls) runs before the first
+      write, so a step that raises there leaves parameters, states and counts as
+      they were, and a group's counts advance after all its writes (see
+      :meth:`PolicyOptimizer.step`). Groups are checked when added or loaded
+      (``add_param_group`` keeps a group only if it is valid; ``load_state_dict``
+      checks loaded groups as constructor arguments and step counts as finite
+      non-negative integers).
+    * **AMP** (torch's fused-optimizer protocol, ``_step_supports_amp_scaling``):
+      ``torch.amp.GradScaler.step`` sets ``optimizer.grad_scale``/``found_inf``
+      instead of unscaling (``step(grad_scale=, found_inf=)`` does the same); the
+      update unscales the gradient as it reads it, and a nonzero ``found_inf``
+      skips the step before anything (states, step counts) is created or written.
+    * **non-finite gradients**: by default a step applies them as they are (an
+      inf or NaN reaches its quantized blocks and the parameter, see
+      ``qstate/formats/_base.py``). ``skip_nonfinite=True`` (optimizer-wide: a
+      step is taken or skipped as a whole, as with ``found_inf``) computes
+      ``found_inf`` when no scaler gave one (:func:`qstate.amp.found_non_finite`:
+      one read of the gradients, one all-reduce per mesh), so such a step is
+      skipped on every rank.
+    * **stochastic rounding** of bfloat16 parameters and of states (signed
+      ``4bit`` states by default): the random stream is the
+      optimizer's own, a function of ``(seed, param group index, step)`` only: the
+      generators of the CPU (which draws each parameter's key) and of each
+      parameter's device are seeded from them for the group's update (and the
+      global ones restored afterwards). ``seed`` (given, or drawn at construction
+      from a private generator seeded with ``torch.initial_seed()``: building or
+      stepping an optimizer never draws from torch's global generators, so a run's
+      dropout masks and other draws are those of the same run with ``torch.optim``)
+      is a param-group entry and the step is a state,
+      so any checkpoint path that keeps param groups and states
+      (``state_dict()``, ``get_optimizer_state_dict``/DCP) resumes the same stream.
+      Every rank draws the same stream: with ``seed=None`` and ``torch.distributed``
+      initialized with more than one rank, the first step of an optimizer that
+      rounds (a group with ``bf16_stochastic_round`` or stochastic states) broadcasts rank 0's drawn seed
+      over the default process group (:meth:`_agree_seed`: one collective, once,
+      on every rank, so every rank must step its optimizers alike; constructing one
+      issues none) and every group that took the drawn seed takes rank 0's. A given
+      ``seed``, or one a loaded checkpoint set, is used as is.
+    * **torch.optim's implementation arguments** (``fused``, ``foreach``,
+      ``capturable``, ``differentiable``) are param-group entries as in torch
+      (checked by the subclasses: only the values qstate honours); ``fused`` and
+      ``foreach`` choose each group's path at every step as they choose torch's
+      (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
+      CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
+      torch would move them to the parameter's device).
+    * **state_dict**: copies of the states (:meth:`_states_as_copies`), quantized ones
+      as :class:`~qstate.QuantizedState` (``torch.load(weights_only=True)`` works after
+      ``import qstate``), so that a DCP load reading into them never writes a live state; loading
+      keeps their format and dtype (``torch.optim`` would cast states to the
+      parameter's dtype, which dequantizes) and moves them to the parameter's
+      device. ``load_state_dict`` checks all of the state dict before it changes
+      anything: its layout (``state``/``param_groups``, group and parameter
+      counts), every parameter's states (each its group keeps,
+      :meth:`PolicyOptimizer._state_specs`, plus ``step``, of exactly the kind
+      this optimizer would create: format, signedness, block size, rounding,
+      dtype (a quantized state's appearance dtype included), shape; a quantized
+      state's parts as well: :meth:`~qstate.QuantizedState.check`)
+      and the policy options
+      (:data:`POLICY_OPTIONS`: ``state_format``, ``block_size``,
+      ``state_rounding``, ``min_quantize_numel``), which stay the optimizer's. A
+      mismatch raises ``ValueError`` naming the parameter (or group and option),
+      the expected and the found, and leaves the optimizer as it was. Other
+      options are hyperparameters and, as in ``torch.optim``, the checkpoint's
+      win; an option the checkpoint predates (``state_rounding``) keeps the
+      optimizer's value. States of another policy, or ``torch.optim``'s, load
+      only after :func:`qstate.optim.convert_state_dict`.
+    """
+
     #: torch.amp.GradScaler passes grad_scale/found_inf instead of unscaling the gradients
     _step_supports_amp_scaling = True
+    #: whether a group's update issues collectives (then every rank learns of a failed check first:
+    #: :meth:`_agree_checks`)
+    _step_communicates = False
     #: whether this rank drew the seed (``seed=None``) and rank 0's has yet to replace it (:meth:`_agree_seed`)
     _seed_drawn = False
-    #: whether the optimizer warned of a weak combination (:meth:`_warn_weak`)
-    _warned_weak = False
 
-    def __init__(self, params: Iterable, defaults: dict, *, state_format: str, block_size: Optional[int],
-                 min_quantize_numel: int, bf16_stochastic_round: bool, compile: bool, seed: Optional[int],
-                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
+    def __init__(self, params: Iterable, defaults: dict, **policy: Any):
+        """``defaults``: the subclass's hyperparameters; ``policy``: :class:`~._policy.StatePolicy`'s
+        keywords (an unknown one raises ``TypeError`` naming it, as Python's own call would)."""
         name = type(self).__name__
-        defaults = dict(defaults)
-        defaults.update(state_format=state_format, block_size=block_size, state_rounding=state_rounding,
-                        min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                        seed=_private_seed() if seed is None else seed)
-        self._seed_drawn = seed is None
-        self._check_state_options(defaults, name)
-        if not isinstance(compile, bool):
-            raise TypeError(f"{name}: compile must be a bool, got {compile!r}")
-        self.compile = compile
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(f"{name}: skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+        options = StatePolicy.of(name, policy)
+        defaults = {**defaults, **options.group_options(_private_seed() if options.seed is None else options.seed)}
+        self._seed_drawn = options.seed is None
+        self.compile = options.compile
         #: skip a step whose gradients hold an inf or a NaN on any rank (see step)
-        self.skip_nonfinite = skip_nonfinite
+        self.skip_nonfinite = options.skip_nonfinite
         self._n_params = 0
         super().__init__(params, defaults)
         #: the first step that creates states logs what they are (:meth:`_report_states`), once
@@ -259,7 +212,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         (``"8bit"``, ``"4bit"``, ``"fp8"``, ``"fp32"``, ``"bf16"``) to its ``states``, ``elements``,
         ``storage_nbytes`` (codes, scales and code maps of quantized states; ``numel * element_size``
         of plain ones) and ``fp32_nbytes`` (``4 * elements``); ``storage_nbytes``/``fp32_nbytes`` are
-        the totals. Counts the rule's states (not ``step``), local to this rank: a DTensor state
+        the totals. Counts the states its groups keep (not ``step``), local to this rank: a DTensor state
         (FSDP2) counts its local shard. No collective: sum over ranks with ``all_reduce`` if needed.
         (A :class:`~qstate.QuantizedState`'s ``nbytes`` is torch's logical size, ``numel * 4``: read
         :meth:`~qstate.QuantizedState.storage_nbytes` or this.)
@@ -272,7 +225,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         quantized format (None if they did not), and how many states it keeps."""
         index = 0
         for group in self.param_groups:
-            n_states = len(self.rule.states(self.rule_flags(group)))
+            n_states = len(self._state_specs(group))
             fmt = group["state_format"]
             for p in group["params"]:
                 kind = self.plan(p, group, index)
@@ -295,14 +248,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         self._report_handle.remove()
         if LOGGER.isEnabledFor(logging.INFO):
             LOGGER.info(policy_summary(type(self).__name__, self._planned(), self.state_nbytes()))
-
-    def _warn_weak(self, group: dict) -> None:
-        """Warn, once per optimizer, if ``group``'s format is documented weak for this optimizer's rule
-        (:data:`~._report.WEAK_COMBINATIONS`)."""
-        message = weak_combination(type(self).__name__, self.rule.name, group["state_format"])
-        if message is not None and not self._warned_weak:
-            self._warned_weak = True
-            warn_at_caller(message)
 
     def _states_as_copies(self, state_dict: dict) -> dict:
         """Give ``state_dict()`` a copy of every state tensor, named after its key, so that a load
@@ -354,7 +299,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         whose seed is this rank's drawn one (not given per group, not loaded) takes rank 0's.
         Invariant afterwards: groups that took the default seed have the same seed on every rank.
         """
-        if not self._seed_drawn or not any(_rounds_stochastically(g) for g in self.param_groups):
+        if not self._seed_drawn or not any(rounds_stochastically(g) for g in self.param_groups):
             return
         self._seed_drawn = False
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -369,52 +314,22 @@ class QuantizedOptimizer(torch.optim.Optimizer):
                 group["seed"] = agreed
 
     # ------------------------------------------------------------------ subclass hooks
-    def rule_flags(self, group: dict) -> dict:
-        """The rule's static flags for ``group``: Python values that choose its math (each set of them is
-        traced and compiled apart, so never a per-step value). Default: ``{"maximize": group["maximize"]}``
-        (False where the group has no ``maximize``)."""
-        return {"maximize": bool(group.get("maximize", False))}
+    def _state_specs(self, group: dict) -> Sequence[StateSpec]:
+        """The states each parameter of ``group`` keeps besides ``step``, in order."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which states a group keeps")
+
+    def _prepare_group(self, group: dict, params: list[Tensor], states: list[list[Tensor]], steps: list[Tensor],
+                       grad_scale: Optional[Tensor], indices: list[int]) -> Any:
+        """``group``'s update of ``params`` (those with a gradient) and their ``states`` (in
+        :meth:`_state_specs` order) and step counts ``steps``, checked and laid out: an object whose
+        ``run()`` writes the parameters and states, then advances the counts. Writes nothing itself;
+        raises naming the parameter by its index in ``indices`` on a bad gradient or step count."""
+        raise NotImplementedError(f"{type(self).__name__} does not lay out a group's update")
+
+    def _check_group(self, group: dict) -> None:
+        """Subclasses validate their hyperparameters here (called for every group)."""
 
     # ------------------------------------------------------------------ policy
-    @staticmethod
-    def _check_state_options(group: dict, name: str) -> None:
-        fmt = group["state_format"]
-        if fmt not in FORMATS and fmt not in PLAIN_FORMATS:
-            raise ValueError(f"{name}: unknown state_format {fmt!r}; expected one of {STATE_FORMATS()}")
-        bs = group["block_size"]
-        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int)):
-            raise TypeError(f"{name}: block_size must be an int or None, got {bs!r}")
-        if bs is not None and fmt in PLAIN_FORMATS:
-            raise ValueError(f"{name}: block_size={bs} has no meaning for state_format={fmt!r} (plain states)")
-        if bs is not None:  # checked here too: a group none of whose parameters is quantized yet keeps it
-            try:
-                get_format(fmt).check_block_size(bs)
-            except ValueError as e:
-                raise ValueError(f"{name}: state_format={fmt!r} cannot use block_size={bs!r}: {e}") from None
-        QuantizedOptimizer._check_rounding_option(group, name)
-        n = group["min_quantize_numel"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name}: min_quantize_numel must be an int >= 0, got {n!r}")
-        if isinstance(group.get("seed"), bool) or not isinstance(group.get("seed"), int):
-            raise TypeError(f"{name}: seed must be an int or None, got {group.get('seed')!r}")
-        if not isinstance(group["bf16_stochastic_round"], bool):
-            raise TypeError(f"{name}: bf16_stochastic_round must be a bool, got {group['bf16_stochastic_round']!r}")
-
-    @staticmethod
-    def _check_rounding_option(group: dict, name: str) -> None:
-        fmt, rounding = group["state_format"], group["state_rounding"]
-        if rounding is None:
-            return
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"{name}: state_rounding must be None or one of {list(ROUNDINGS)}, got {rounding!r}")
-        if fmt in PLAIN_FORMATS:
-            raise ValueError(f"{name}: state_rounding={rounding!r} has no meaning for state_format={fmt!r} "
-                             "(plain states)")
-        try:  # it applies to the signed states
-            get_format(fmt).check_rounding(rounding, signed=True)
-        except ValueError as e:
-            raise ValueError(f"{name}: state_format={fmt!r} cannot use state_rounding={rounding!r}: {e}") from None
-
     def _describe(self, index: int, p: Tensor) -> str:
         return f"{type(self).__name__}: param {index} (shape {tuple(p.shape)}, {p.dtype})"
 
@@ -445,16 +360,15 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, kept only if the group is valid: its options
-        (:meth:`_check_state_options`, :meth:`_check_group`) and every parameter's state kind
+        (:func:`~._policy.check_group_options`, :meth:`_check_group`) and every parameter's state kind
         (:meth:`plan`); otherwise raise and leave ``param_groups`` as they were."""
         n_groups = len(self.param_groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            self._check_state_options(group, type(self).__name__)
+            check_group_options(group, type(self).__name__)
             self._check_group(group)
             check_path(type(self).__name__, group, self.compile)
-            self._warn_weak(group)
             first = self._n_params
             for i, p in enumerate(group["params"]):
                 self.plan(p, group, first + i)
@@ -463,9 +377,6 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             raise
         self._n_params += len(group["params"])
 
-    def _check_group(self, group: dict) -> None:
-        """Subclasses validate their hyperparameters here (called for every group)."""
-
     def _param_index(self) -> dict[Tensor, int]:
         return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
@@ -473,7 +384,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
     def _new_states(self, p: Tensor, group: dict, index: int) -> dict:
         kind = self.plan(p, group, index)
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for spec in self.rule.states(self.rule_flags(group)):
+        for spec in self._state_specs(group):
             state[spec.name] = self._zero_state(p.detach(), kind, spec.signed, group)
         return state
 
@@ -494,7 +405,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         format's map), so that no kernel reads a state past its buffers."""
         kind = self.plan(p, group, index)
         what = f"{self._describe(index, p)}, state {name!r}"
-        specs = {s.name: s for s in self.rule.states(self.rule_flags(group))}
+        specs = {s.name: s for s in self._state_specs(group)}
         if name not in specs:
             raise ValueError(f"{what}: unexpected state; {type(self).__name__} keeps {sorted(specs)}")
         if not isinstance(value, Tensor):
@@ -530,12 +441,12 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def _loaded_group(self, saved: dict, current: dict) -> dict:
         """The group a load gives: the checkpoint's hyperparameters, the optimizer's policy options;
-        checked as a constructor's arguments are (:meth:`_check_state_options`: ``seed``,
+        checked as a constructor's arguments are (:func:`~._policy.check_group_options`: ``seed``,
         ``bf16_stochastic_round``...; :meth:`_check_group`: ``lr``, ``betas``...), naming the group."""
         group = {**saved, "params": current["params"], **{k: current[k] for k in POLICY_OPTIONS}}
         name = type(self).__name__
         try:
-            self._check_state_options(group, name)
+            check_group_options(group, name)
             self._check_group(group)
         except (TypeError, ValueError) as e:
             gi = next(i for i, g in enumerate(self.param_groups) if g is current)
@@ -545,7 +456,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
 
     def _check_loaded_steps(self, state_dict: dict) -> None:
         """Raise unless every step count of ``state_dict`` (checked by :meth:`_load_pre`) is a finite
-        non-negative integer, as a step needs it (:func:`~qstate.optim._step.next_step`); before
+        non-negative integer, as a step needs it (:func:`~qstate.optim._engine.step.next_step`); before
         ``load_state_dict`` changes anything."""
         index = 0
         for saved, current in zip(state_dict["param_groups"], self.param_groups):
@@ -562,8 +473,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """Check every state of ``state_dict`` against this optimizer's state policy.
 
         ``state_dict`` has passed :func:`check_layout` and has every option (:meth:`_with_missing_options`).
-        A parameter's entry is empty (no step yet) or holds exactly its rule's states, of the kinds the
-        optimizer creates (:meth:`_check_state`), and a one-element ``step`` tensor; then the policy
+        A parameter's entry is empty (no step yet) or holds exactly its group's states
+        (:meth:`_state_specs`), of the kinds the optimizer creates (:meth:`_check_state`), and a one-element ``step`` tensor; then the policy
         options (:data:`POLICY_OPTIONS`) must equal the optimizer's. Runs before ``load_state_dict``
         changes anything, so a rejected checkpoint leaves the optimizer as it was.
         """
@@ -573,7 +484,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             group = self._loaded_group(saved, current)
             self._check_group(group)
             check_path(name, group, self.compile)
-            names = [s.name for s in self.rule.states(self.rule_flags(group))]
+            names = [s.name for s in self._state_specs(group)]
             for pid, p in zip(saved["params"], current["params"]):
                 entry = state_dict["state"].get(pid) or {}
                 what = self._describe(index, p)
@@ -610,7 +521,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             for d, state in saved:
                 _set_rng(d, state)
 
-    @torch.compiler.disable  # as _step.apply_update: a caller's torch.compile skips the step
+    @torch.compiler.disable  # as the engine's apply_update: a caller's torch.compile skips the step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scale: Optional[Tensor] = None,
              found_inf: Optional[Tensor] = None) -> Optional[float]:
@@ -621,7 +532,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         scaler's, already checked, is used as it is), the step computes it first: a step whose
         gradients hold an inf or a NaN on any rank is skipped on every rank.
 
-        Checked, then written: every gradient (:func:`~qstate.optim._step.check_grad`), step count
+        Checked, then written: every gradient (:func:`~qstate.optim._engine.step.check_grad`), step count
         and missing state is checked or built, and every group's calls laid out, before the first
         write (:meth:`_prepare_step`); a failure there raises and leaves parameters, states and step
         counts as they were (with DTensor parameters on the rank that failed, or on every rank where the
@@ -638,16 +549,18 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None) if grad_scale is None else grad_scale
         found_inf = getattr(self, "found_inf", None) if found_inf is None else found_inf
         # every check, before any write (_agree_checks: which steps tell every rank of a failure)
-        if found_inf is None and self.skip_nonfinite:  # found_non_finite communicates: agree before it
+        agree = found_inf is None and self.skip_nonfinite  # found_non_finite communicates: agree before it
+        if agree or self._step_communicates:
             error: Optional[Exception] = None
             try:
                 work = self._prepare_step(grad_scale)
             except Exception as e:
                 error = e
             self._agree_checks(error)
-            found_inf = found_non_finite(self)
         else:
             work = self._prepare_step(grad_scale)
+        if agree:
+            found_inf = found_non_finite(self)
         if _step.skip_step(found_inf):
             return loss
         for w in work:
@@ -659,13 +572,12 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         """Check every group's update and lay out its calls, creating missing states aside; writes nothing."""
         index = None
         work = []
-        name = type(self).__name__
         for gi, group in enumerate(self.param_groups):
             sr_devices: set[torch.device] = set()
             params, states, steps = [], [], []
             new: dict[Tensor, dict] = {}
-            names = [s.name for s in self.rule.states(self.rule_flags(group))]
-            states_sr = _rounds_states_stochastically(group)
+            names = [s.name for s in self._state_specs(group)]
+            states_sr = rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -682,12 +594,7 @@ class QuantizedOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             index = index or self._param_index()
-            path = update_path(group, self.compile)
-            update = _step.prepare_update(self.rule, self.rule_flags(group), params, [p.grad for p in params], states,
-                                          steps, group, lr=group["lr"], compile=path == FUSED,
-                                          foreach=path == FOREACH,
-                                          stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
-                                          owner=name, indices=[index[p] for p in params])
+            update = self._prepare_group(group, params, states, steps, grad_scale, [index[p] for p in params])
             # the step being taken (the counts are CPU tensors) keys the rounding stream
             stream = (self._stream(sr_devices, group["seed"], gi, 1 + max(int(s) for s in steps)) if sr_devices
                       else contextlib.nullcontext())
@@ -712,8 +619,8 @@ class QuantizedOptimizer(torch.optim.Optimizer):
         that failed alone would leave the others waiting in its collectives. One all-reduce (MAX) of one flag per mesh dimension
         of each mesh with more than one rank (the meshes of all parameters, with or without gradients,
         first seen first: the same on every rank). Where no parameter is a DTensor, only ``error`` is
-        raised. The elementwise optimizers' step calls it only with ``skip_nonfinite``: their update issues
-        no collectives
+        raised. The step calls it where :attr:`_step_communicates` or with ``skip_nonfinite``: the
+        elementwise optimizers' update issues no collectives
         (``test_optim_fsdp.py`` pins it), so a rank that fails its checks raises having written nothing
         and no rank waits on it; what they check of a DTensor (its dtype, shape, mesh; the step counts,
         which every rank advances alike) is the same on every rank of a program DTensor accepts.
@@ -817,3 +724,42 @@ def _set_rng(device: torch.device, state: Tensor) -> None:
         torch.get_device_module(device.type).set_rng_state(state, device.index or 0)
 
 
+class QuantizedOptimizer(PolicyOptimizer):
+    """Base of qstate's elementwise optimizers. A subclass sets :attr:`rule` (a registered
+    :class:`~qstate.optim.rules.UpdateRule`), passes its hyperparameters as ``defaults`` and the
+    policy keywords (:class:`~qstate.optim.StatePolicy`) to ``__init__``, and overrides
+    :meth:`rule_flags` where its rule has static flags beyond ``maximize``."""
+
+    rule: UpdateRule
+    #: whether the optimizer warned of a weak combination (:meth:`_warn_weak`)
+    _warned_weak = False
+
+    def rule_flags(self, group: dict) -> dict:
+        """The rule's static flags for ``group``: Python values that choose its math (each set of them is
+        traced and compiled apart, so never a per-step value). Default: ``{"maximize": group["maximize"]}``
+        (False where the group has no ``maximize``)."""
+        return {"maximize": bool(group.get("maximize", False))}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """:meth:`PolicyOptimizer.add_param_group`, then a warning if the group's format is weak for the rule."""
+        super().add_param_group(param_group)
+        self._warn_weak(self.param_groups[-1])
+
+    def _warn_weak(self, group: dict) -> None:
+        """Warn, once per optimizer, if ``group``'s format is documented weak for this optimizer's rule
+        (:data:`~._report.WEAK_COMBINATIONS`)."""
+        message = weak_combination(type(self).__name__, self.rule.name, group["state_format"])
+        if message is not None and not self._warned_weak:
+            self._warned_weak = True
+            warn_at_caller(message)
+
+    def _state_specs(self, group: dict) -> Sequence[StateSpec]:
+        return self.rule.states(self.rule_flags(group))
+
+    def _prepare_group(self, group: dict, params: list[Tensor], states: list[list[Tensor]], steps: list[Tensor],
+                       grad_scale: Optional[Tensor], indices: list[int]) -> _step.PendingUpdate:
+        path = update_path(group, self.compile)
+        return _step.prepare_update(self.rule, self.rule_flags(group), params, [p.grad for p in params], states,
+                                    steps, group, lr=group["lr"], compile=path == FUSED, foreach=path == FOREACH,
+                                    stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
+                                    owner=type(self).__name__, indices=indices)

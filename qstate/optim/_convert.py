@@ -1,6 +1,6 @@
 """``convert_state_dict``: an optimizer state dict rewritten in another optimizer's state policy.
 
-Loading never converts: :meth:`QuantizedOptimizer.load_state_dict` raises on
+Loading never converts: :meth:`PolicyOptimizer.load_state_dict` raises on
 any state of another kind. This is the one explicit conversion, between
 qstate's formats (``8bit``, ``4bit``, ``fp8``, ``bf16``, ``fp32``, block
 sizes, roundings) and from and to ``torch.optim``'s own state dicts
@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .._dtensor import is_quantized_state
-from ._base import POLICY_OPTIONS, QuantizedOptimizer, check_layout
+from ._policy import POLICY_OPTIONS
+from ._base import PolicyOptimizer, QuantizedOptimizer, check_layout
 from ._arguments import IMPLEMENTATION_OPTIONS
 
 __all__ = ["convert_state_dict"]
@@ -35,10 +36,10 @@ def convert_state_dict(state_dict: dict, optimizer: torch.optim.Optimizer) -> di
     may be DTensors). Its param groups and their parameters are matched with
     ``optimizer``'s by position, as ``load_state_dict`` matches them.
 
-    * For a :class:`QuantizedOptimizer` each parameter's states become exactly the states
-      ``optimizer`` would create for it (its policy, :meth:`QuantizedOptimizer.plan`: the
+    * For a qstate optimizer each parameter's states become exactly the states
+      ``optimizer`` would create for it (its policy, :meth:`PolicyOptimizer.plan`: the
       format, or float32 where the policy keeps float32; block size; per state signedness and
-      rounding, :func:`~qstate.optim._base.state_rounding`), holding the checkpoint's values:
+      rounding, :func:`~qstate.optim._policy.state_rounding`), holding the checkpoint's values:
       read as float32 (dequantized), then encoded. ``torch.optim.SGD`` keeps no step count: a
       momentum buffer comes with ``step`` 1, which only says that the buffer exists.
     * For any other ``torch.optim.Optimizer`` every state becomes a plain float32 tensor
@@ -60,7 +61,7 @@ def convert_state_dict(state_dict: dict, optimizer: torch.optim.Optimizer) -> di
     """
     name = type(optimizer).__name__
     check_layout(state_dict, optimizer.param_groups, name)
-    quantized = isinstance(optimizer, QuantizedOptimizer)
+    quantized = isinstance(optimizer, PolicyOptimizer)
     groups, state = [], {}
     index = 0
     for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
@@ -134,11 +135,11 @@ def _check_shape(p: Tensor, n: str, value: Tensor, what: str) -> None:
         raise ValueError(f"{what}, state {n!r}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
 
 
-def _to_policy(optimizer: QuantizedOptimizer, p: Tensor, group: dict, index: int, entry: dict,
+def _to_policy(optimizer: PolicyOptimizer, p: Tensor, group: dict, index: int, entry: dict,
                what: str) -> dict:
     """One parameter's states as ``optimizer`` creates them for ``group`` (see ``_new_states``)."""
     kind = optimizer.plan(p, group, index)
-    specs = optimizer.rule.states(optimizer.rule_flags(group))
+    specs = optimizer._state_specs(group)
     values = _tensor_states(entry, what)
     keeps = [s.name for s in specs] + ["step"]
     for n in values:
@@ -146,7 +147,7 @@ def _to_policy(optimizer: QuantizedOptimizer, p: Tensor, group: dict, index: int
             raise ValueError(f"{what}, state {n!r}: {type(optimizer).__name__} does not keep it (it keeps {keeps})")
     if "step" in entry:
         step = _step(entry, what)
-    elif optimizer.rule.name == "sgd" and values:
+    elif isinstance(optimizer, QuantizedOptimizer) and optimizer.rule.name == "sgd" and values:
         step = torch.tensor(1.0)  # torch.optim.SGD counts no steps; 1: the buffer exists
     else:
         raise ValueError(f"{what}: the state dict lacks its state 'step' (it has {sorted(entry)})")

@@ -9,7 +9,7 @@ moments read back with independent errors never make an update fp32 Adam could n
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -95,7 +95,8 @@ ADAM = register_rule(UpdateRule(
 
 
 class Adam(QuantizedOptimizer):
-    """Adam with quantized moments (``torch.optim.Adam`` arguments and semantics)."""
+    """Adam with quantized moments (``torch.optim.Adam`` arguments and semantics); the state policy's
+    keywords (``state_format``, ``seed``, ...) are :class:`~qstate.optim.StatePolicy`'s."""
 
     rule = ADAM
     _decoupled_default = False
@@ -104,18 +105,12 @@ class Adam(QuantizedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
                  foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused: Optional[bool] = None,
-                 decoupled_weight_decay: Optional[bool] = None, state_format: str = "8bit",
-                 block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
+                 decoupled_weight_decay: Optional[bool] = None, **policy: Any):
         decoupled = self._decoupled_default if decoupled_weight_decay is None else decoupled_weight_decay
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=decoupled)
-        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding,
-                         skip_nonfinite=skip_nonfinite)
+        super().__init__(params, defaults, **policy)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -131,23 +126,18 @@ class Adam(QuantizedOptimizer):
 
 
 class AdamW(Adam):
-    """AdamW with quantized moments (``torch.optim.AdamW`` arguments and semantics)."""
+    """AdamW with quantized moments (``torch.optim.AdamW`` arguments and semantics); the state policy's
+    keywords are :class:`~qstate.optim.StatePolicy`'s."""
 
     _decoupled_default = True
 
     def __init__(self, params: Iterable, lr: LR = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, state_format: str = "8bit", block_size: Optional[int] = None,
-                 min_quantize_numel: int = 4096, bf16_stochastic_round: bool = False, compile: bool = True,
-                 seed: Optional[int] = None, state_rounding: Optional[str] = None,
-                 skip_nonfinite: bool = False):
+                 fused: Optional[bool] = None, **policy: Any):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding,
-                         skip_nonfinite=skip_nonfinite)
+                         decoupled_weight_decay=True, **policy)
 
 
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

@@ -17,7 +17,7 @@ states is that implementation's, op for op.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from torch import Tensor
 
@@ -98,7 +98,8 @@ ADEMAMIX = register_rule(UpdateRule(
 
 
 class AdEMAMix(QuantizedOptimizer):
-    """AdEMAMix with quantized moments (the arguments of the authors' ``AdEMAMix``)."""
+    """AdEMAMix with quantized moments (the arguments of the authors' ``AdEMAMix``); the state policy's
+    keywords are :class:`~qstate.optim.StatePolicy`'s."""
 
     rule = ADEMAMIX
 
@@ -106,16 +107,11 @@ class AdEMAMix(QuantizedOptimizer):
                  alpha: float = 2.0, beta3_warmup: Optional[int] = None, alpha_warmup: Optional[int] = None,
                  eps: float = 1e-8, weight_decay: float = 0.0, *, maximize: bool = False,
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
-                 fused: Optional[bool] = None, state_format: str = "8bit", block_size: Optional[int] = None,
-                 min_quantize_numel: int = 4096, bf16_stochastic_round: bool = False, compile: bool = True,
-                 seed: Optional[int] = None, state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
+                 fused: Optional[bool] = None, **policy: Any):
         defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, beta3_warmup=beta3_warmup,
                         alpha_warmup=alpha_warmup, eps=eps, weight_decay=weight_decay, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
-        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding,
-                         skip_nonfinite=skip_nonfinite)
+        super().__init__(params, defaults, **policy)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__

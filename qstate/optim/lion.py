@@ -4,7 +4,7 @@ the rule's math, the class and the functional form.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from torch import Tensor
 
@@ -41,22 +41,18 @@ LION = register_rule(UpdateRule("lion", _lion_states, ("lr", "grad_unscale", "be
 
 
 class Lion(QuantizedOptimizer):
-    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms") with a quantized momentum."""
+    """Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms") with a quantized momentum;
+    the state policy's keywords are :class:`~qstate.optim.StatePolicy`'s."""
 
     rule = LION
 
     def __init__(self, params: Iterable, lr: LR = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, foreach: Optional[bool] = None,
                  capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None,
-                 state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
+                 **policy: Any):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
-        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding,
-                         skip_nonfinite=skip_nonfinite)
+        super().__init__(params, defaults, **policy)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__

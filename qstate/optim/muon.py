@@ -47,13 +47,13 @@ Storage rules and invariants:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .._dtensor import is_dtensor, rounds_stochastically
-from ._base import QuantizedOptimizer
+from ._base import PolicyOptimizer
 from ._engine import step as _step
 from ._arguments import check_betas, check_lr, check_non_negative
 from .._random import ParamKeys
@@ -199,7 +199,7 @@ def _prepare_muon(params: Sequence[Tensor], grads: Sequence[Tensor], bufs: Seque
                   indices: Optional[Sequence[int]] = None) -> _MuonUpdate:
     """Check a Muon update (lists, each gradient and buffer against its parameter, each step count
     of ``state_steps``, which may be empty, the arguments) and return it unwritten; ``owner`` and
-    ``indices`` name a parameter in messages as in :func:`~qstate.optim._step.prepare_update`."""
+    ``indices`` name a parameter in messages as in :func:`~qstate.optim._engine.step.prepare_update`."""
     if not len(params) == len(grads) == len(bufs):
         raise ValueError(f"muon: expected as many grads and buffers as params, got {len(params)} params, "
                          f"{len(grads)} grads, {len(bufs)} buffers")
@@ -224,28 +224,13 @@ def _prepare_muon(params: Sequence[Tensor], grads: Sequence[Tensor], bufs: Seque
 
 
 # ---------------------------------------------------------------- the optimizer
-class _MuonStates:
-    """What :class:`QuantizedOptimizer` asks of a rule: a group's states, from its flags.
-
-    Muon groups keep a signed ``momentum_buffer``; AdamW groups keep qstate's AdamW states.
-    """
-
-    name = "muon"
-
-    @staticmethod
-    def states(flags: dict) -> tuple[StateSpec, ...]:
-        if flags.get("muon"):
-            return (StateSpec("momentum_buffer", True),)
-        return RULES["adam"].states(flags)
-
-
 #: the static flags of an AdamW group: exactly ``qstate.optim.AdamW``'s (its kernels, its states)
 _ADAMW_FLAGS = {"amsgrad": False, "maximize": False, "decoupled": True}
 #: options of the AdamW groups, given to :class:`Muon` as ``adamw_<name>``
 _ADAMW_OPTIONS = ("lr", "betas", "eps", "weight_decay")
 
 
-class Muon(QuantizedOptimizer):
+class Muon(PolicyOptimizer):
     r"""Muon with a quantized momentum buffer (``torch.optim.Muon`` arguments and semantics), and
     qstate's AdamW for the parameters Muon does not take.
 
@@ -277,30 +262,31 @@ class Muon(QuantizedOptimizer):
     Keyword-only (qstate):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups' defaults
             (``qstate.optim.AdamW``'s: 1e-3, (0.9, 0.999), 1e-8, 1e-2).
-        state_format, block_size, state_rounding, min_quantize_numel: the state policy of
-            ``qstate.optim.AdamW`` (``_base.py``), for Muon's momentum buffers and AdamW's
-            moments alike. Momentum buffers are signed states: ``4bit`` ones round
-            stochastically unless ``state_rounding`` says otherwise.
-        compile (bool): AdamW groups run fused compiled kernels (True) or op by op (False), as
-            ``qstate.optim.AdamW``'s ``compile``; Muon groups always run op by op.
+        **policy: the state policy (:class:`~qstate.optim.StatePolicy`), for Muon's momentum
+            buffers and AdamW's moments alike. Momentum buffers are signed states: ``4bit`` ones
+            round stochastically unless ``state_rounding`` says otherwise. ``compile`` is AdamW
+            groups' (Muon groups always run op by op); ``seed`` defaults to 0 (every rank draws
+            alike with no broadcast); ``bf16_stochastic_round`` must stay False (Muon writes
+            parameters op by op, to nearest).
 
     State: each parameter keeps ``step`` (a float32 CPU tensor) and ``momentum_buffer`` (Muon)
     or ``exp_avg``/``exp_avg_sq`` (AdamW). ``state_dict()``/``load_state_dict()`` keep quantized
     states as they are and check a loaded state dict against the optimizer's policy and each
     group's ``use_muon`` before changing anything. Gradients are read as they are: with a
-    ``GradScaler`` the scaler unscales them first (``_step_supports_amp_scaling`` is False).
+    ``GradScaler`` the scaler unscales them first (``_step_supports_amp_scaling`` is False), and
+    ``step(grad_scale=...)`` raises.
     """
 
-    rule = _MuonStates()
     _step_supports_amp_scaling = False
+    #: a Muon group redistributes DTensor matrices: every rank learns of a failed check first
+    _step_communicates = True
 
     def __init__(self, params: Iterable, lr: _LR = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
                  eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None, *,
                  adamw_lr: _LR = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float = 1e-2, state_format: str = "8bit", block_size: Optional[int] = None,
-                 state_rounding: Optional[str] = None, min_quantize_numel: int = 4096, compile: bool = True):
+                 adamw_weight_decay: float = 1e-2, **policy: Any):
         #: the AdamW groups' defaults (read by add_param_group, also after construction)
         self._adamw_defaults = {"lr": adamw_lr, "betas": tuple(adamw_betas), "eps": adamw_eps,
                                 "weight_decay": adamw_weight_decay}
@@ -310,9 +296,7 @@ class Muon(QuantizedOptimizer):
                         adjust_lr_fn=adjust_lr_fn)
         _check_muon_group(defaults)
         # seed 0: every rank's stream is the same without a broadcast (Muon has no bf16 stochastic rounding)
-        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=False, compile=compile,
-                         seed=0, state_rounding=state_rounding)
+        super().__init__(params, defaults, **{"seed": 0, **policy})
 
     # ------------------------------------------------------------------ groups
     def add_param_group(self, param_group: dict) -> None:
@@ -352,13 +336,19 @@ class Muon(QuantizedOptimizer):
             raise
 
     def _check_group(self, group: dict) -> None:
+        if group["bf16_stochastic_round"]:
+            raise ValueError("Muon: bf16_stochastic_round must be False: Muon writes parameters op by op, "
+                             "rounding to nearest")
         if group["use_muon"]:
             _check_muon_group(group)
         else:
             _check_adamw_group("Muon (AdamW group)", group)
 
-    def rule_flags(self, group: dict) -> dict:
-        return {"muon": True} if group["use_muon"] else dict(_ADAMW_FLAGS)
+    def _state_specs(self, group: dict) -> tuple[StateSpec, ...]:
+        """A Muon group's signed ``momentum_buffer``; an AdamW group's qstate AdamW states."""
+        if group["use_muon"]:
+            return (StateSpec("momentum_buffer", True),)
+        return RULES["adam"].states(_ADAMW_FLAGS)
 
     def _check_loaded(self, state_dict: dict) -> None:
         for gi, (saved, current) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
@@ -368,65 +358,21 @@ class Muon(QuantizedOptimizer):
         super()._check_loaded(state_dict)
 
     # ------------------------------------------------------------------ step
-    @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One step: Muon groups by :func:`muon`, AdamW groups by ``qstate.optim.AdamW``'s update.
-
-        Checked, then written, as ``QuantizedOptimizer.step``: every gradient, buffer and step count is
-        checked, every missing state created aside and every group's update laid out before any
-        parameter or state is written; with DTensor parameters every rank learns of a failure and
-        raises (:meth:`_agree_checks`) before the first redistribution. A group's step counts
-        advance after all its writes returned.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        error: Optional[Exception] = None
-        try:
-            work = self._prepare_muon_step()
-        except Exception as e:  # raised below, on every rank that shares a mesh with this one
-            error = e
-        self._agree_checks(error)
-        for gi, group, steps, new_states, update in work:
-            self.state.update(new_states)
-            try:
-                # the rounding stream of (seed, group, step): stochastically rounded states' keys
-                with self._stream({torch.device("cpu")}, group["seed"], gi, 1 + max(int(s) for s in steps)):
-                    update.run()
-            except BaseException:
-                for p in new_states:
-                    del self.state[p]
-                raise
-        return loss
-
-    def _prepare_muon_step(self) -> list[tuple]:
-        """Each group's ``(index, group, step counts, new states, unwritten update)``; writes nothing."""
-        index = self._param_index()
-        work = []
-        for gi, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            new = {p: self._new_states(p, group, index[p]) for p in params if not self.state.get(p)}
-            names = [s.name for s in self.rule.states(self.rule_flags(group))]
-            full = [new.get(p) or self.state[p] for p in params]
-            states = [[st[n] for n in names] for st in full]
-            steps = [st["step"] for st in full]
-            grads = [p.grad for p in params]
-            indices = [index[p] for p in params]
-            if group["use_muon"]:
-                update = _prepare_muon(params, grads, [s[0] for s in states], steps, lr=group["lr"],
-                                       weight_decay=group["weight_decay"], momentum=group["momentum"],
-                                       nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
-                                       ns_steps=group["ns_steps"], eps=group["eps"],
-                                       adjust_lr_fn=group["adjust_lr_fn"], owner="Muon", indices=indices)
-            else:
-                update = _step.prepare_update(RULES["adam"], self.rule_flags(group), params, grads, states, steps, group,
-                                              lr=group["lr"], compile=self.compile, owner="Muon", indices=indices)
-            work.append((gi, group, steps, new, update))
-        return work
+    def _prepare_group(self, group: dict, params: list[Tensor], states: list[list[Tensor]], steps: list[Tensor],
+                       grad_scale: Optional[Tensor], indices: list[int]) -> Any:
+        """A Muon group's update by :func:`muon`'s math, an AdamW group's by ``qstate.optim.AdamW``'s."""
+        if grad_scale is not None:
+            raise ValueError("Muon: step(grad_scale=...) is not supported: unscale the gradients first "
+                             "(GradScaler.unscale_)")
+        grads = [p.grad for p in params]
+        if group["use_muon"]:
+            return _prepare_muon(params, grads, [s[0] for s in states], steps, lr=group["lr"],
+                                 weight_decay=group["weight_decay"], momentum=group["momentum"],
+                                 nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+                                 ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
+                                 owner="Muon", indices=indices)
+        return _step.prepare_update(RULES["adam"], dict(_ADAMW_FLAGS), params, grads, states, steps, group,
+                                    lr=group["lr"], compile=self.compile, owner="Muon", indices=indices)
 
 
 def _tensor_of(p: Any) -> Tensor:

@@ -4,7 +4,7 @@ the functional form.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from torch import Tensor
 
@@ -54,23 +54,19 @@ SGD_RULE = register_rule(UpdateRule("sgd", _sgd_states, ("lr", "grad_unscale", "
 
 
 class SGD(QuantizedOptimizer):
-    """SGD with a quantized momentum buffer (``torch.optim.SGD`` arguments and semantics)."""
+    """SGD with a quantized momentum buffer (``torch.optim.SGD`` arguments and semantics); the state
+    policy's keywords are :class:`~qstate.optim.StatePolicy`'s."""
 
     rule = SGD_RULE
 
     def __init__(self, params: Iterable, lr: LR = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: Optional[bool] = None, differentiable: bool = False, fused: Optional[bool] = None,
-                 state_format: str = "8bit", block_size: Optional[int] = None, min_quantize_numel: int = 4096,
-                 bf16_stochastic_round: bool = False, compile: bool = True, seed: Optional[int] = None,
-                 state_rounding: Optional[str] = None, skip_nonfinite: bool = False):
+                 **policy: Any):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused)
-        super().__init__(params, defaults, state_format=state_format, block_size=block_size,
-                         min_quantize_numel=min_quantize_numel, bf16_stochastic_round=bf16_stochastic_round,
-                         compile=compile, seed=seed, state_rounding=state_rounding,
-                         skip_nonfinite=skip_nonfinite)
+        super().__init__(params, defaults, **policy)
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
