@@ -211,8 +211,8 @@ EXACT = Tolerance(0.0, 0.0, 0.0)
 #: about ``e`` of it, so parameters drift apart by a fraction of ``lr`` per step: bfloat16 states (8-bit
 #: mantissa) a fraction of a percent, 8-bit codes (256 values per block) about a percent, fp8 codes
 #: (3-bit mantissa) a few, 4-bit codes (16 values per block) tens of percent. Each bound is about twice
-#: the largest these inputs reach on torch 2.13 and 2.14 (``test_optim_db.py`` prints none: rerun its
-#: cases to see them), so a state read with its sign or scale wrong (an error of the whole move) fails.
+#: the largest the table's inputs reach (the same on torch 2.13 and 2.14; a failing assertion prints
+#: the value it found), so a state read with its sign or scale wrong (an error of the whole move) fails.
 QUANTIZED = {
     "bf16": Tolerance(param_max=0.02, param_mean=0.003, state=0.01),
     "8bit": Tolerance(param_max=0.1, param_mean=0.015, state=0.04),
