@@ -1,7 +1,7 @@
 """AdEMAMix: parity with a plain-PyTorch copy of the published algorithm, on every path and format.
 
 The reference is the authors' ``AdEMAMix.step`` (``apple/ml-ademamix``, ``ademamix.py``), restated
-below over plain tensors. FSDP2 parity runs in ``test_optim_fsdp.py`` with the other optimizers.
+below over plain tensors. FSDP2 parity runs in ``test_optim_db.py`` with the other optimizers.
 """
 
 from __future__ import annotations
