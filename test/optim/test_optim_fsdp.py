@@ -176,7 +176,8 @@ class Run(NamedTuple):
     losses: list[torch.Tensor]
     model: nn.Module
     opt: torch.optim.Optimizer
-    #: per parameter, after the first step: full ``param``, ``grad`` and states
+    #: per parameter, after the first step: full ``param``, ``grad`` and states (stochastically rounded
+    #: runs only, which ``_assert_one_ulp_apart`` compares; empty otherwise)
     first: list[dict[str, torch.Tensor]]
 
 
@@ -201,7 +202,8 @@ def _train_sharded(cfg: Config) -> Run:
         # an elementwise update reads each shard's own elements (Muon's gathers its matrices: test_optim_muon.py)
         assert not find(cfg.optimizer).elementwise or comm.get_total_counts() == 0, \
             f"{cfg}: the step issued {comm.get_comm_counts()}"
-        first = first or _snapshot(model, opt)
+        if cfg.stochastic_round and not first:
+            first = _snapshot(model, opt)
         opt.zero_grad()
         losses.append(loss.detach())
     return Run(losses, model, opt, first)
@@ -222,7 +224,8 @@ def _train_unsharded(cfg: Config, world_size: int, seed: int = SEED) -> Run:
             pm.grad = ((g * world_size) / world_size).to(pm.dtype)
         with cpu_kernel_enabled(cfg.c_kernel):
             opt.step()
-        first = first or _snapshot(master, opt)
+        if cfg.stochastic_round and not first:
+            first = _snapshot(master, opt)
         opt.zero_grad()
         if compute is not master:
             with torch.no_grad():
