@@ -41,8 +41,8 @@ STEPS = 3
 class Tolerance:
     """How far a run may end from its reference after :data:`STEPS` steps from the same parameters
     and gradients. Parameters: the largest and the mean ``|p - p_ref|`` of each tensor, in units of
-    ``lr * STEPS`` (the first configuration's ``lr``: about as far as the optimizers move a parameter in
-    that many steps); states: the largest ``|s - s_ref|`` of each state tensor over its largest
+    ``lr * STEPS`` (the input's ``lr``: about as far as the optimizers move a parameter in that many
+    steps); states: the largest ``|s - s_ref|`` of each state tensor over its largest
     ``|s_ref|`` (quantized states dequantized). All zero asks for equality."""
 
     param_max: float
@@ -66,11 +66,13 @@ class OptimizerInput:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerInfo:
+    """One qstate optimizer: what its tests build, what they compare it with, and how closely."""
+
     optim_cls: type
     #: ``reference(params, **kwargs)``: the plain-PyTorch optimizer of the same configuration
     reference: Callable[..., Any]
     inputs: tuple[OptimizerInput, ...]
-    #: per state format (every one of ``qstate.optim.STATE_FORMATS()``), the parameters' bound
+    #: per state format (every one of ``qstate.optim.STATE_FORMATS()``): how close to the reference
     tolerances: Mapping[str, Tolerance]
     takes_seed: bool = True
     elementwise: bool = True
@@ -266,8 +268,10 @@ optim_db: list[OptimizerInfo] = [
             OptimizerInput(dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), "weight_decay", 1),
             OptimizerInput(dict(lr=1e-3, betas=(0.95, 0.98), maximize=True), "maximize", 1),
         ),
-        # float32: the momenta by ``lerp`` (the reference: ``mul``, ``add``), a float32 ulp apart; the sign
-        # of one momentum read with another error flips its element's move: 2 lr
+        # float32: the momentum by ``lerp`` (the reference's: ``mul``, ``add``), an ulp apart. Other formats:
+        # an element whose direction (a sign) the state's error puts on the other side of zero moves by
+        # 2 lr the other way, so the largest difference only says that (2 lr every step); the mean bounds
+        # how many elements flip
         tolerances=_tolerances(fp32=Tolerance(0.0, 0.0, 1e-6), param_max=2.0),
     ),
     OptimizerInfo(
