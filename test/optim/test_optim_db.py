@@ -1,9 +1,10 @@
 """Every optimizer of the table (``optim_db.py``) against its plain-PyTorch reference, and under FSDP2.
 
 * Single process: each entry x each of its inputs x every state format steps small seeded parameters
-  (uneven rows and blocks, a 1-D bias) next to the entry's reference, op by op (``compile=False``),
-  and ends within the entry's tolerance for that format; its states have the reference's names, and
-  the quantized ones are where the policy says.
+  (uneven rows and blocks, a 1-D bias) next to the entry's reference, op by op (``compile=False``;
+  with the fused kernels, ``compile=True``, in the exhaustive run), and ends within the entry's
+  tolerance for that format; its states have the reference's names, and the quantized ones are
+  where the policy says.
 * FSDP2: each entry's first input x {8bit, 4bit, fp8, fp32} states on a ``fully_shard``-ed model in
   2 and 3 gloo processes equals the unsharded run of the same optimizer and format bit for bit
   (``test_optim_fsdp.py``'s parity run, whose module docstring says why it is exact); one spawn per
@@ -46,24 +47,26 @@ def _readable(state: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:.*is a weak combination")  # Lion with 4-bit states warns, as documented
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.exhaustive)],
+                         ids=["eager", "fused"])
 @pytest.mark.parametrize("info, inp, fmt", list(_reference_cases()))
-def test_matches_reference(info: OptimizerInfo, inp: OptimizerInput, fmt: str):
+def test_matches_reference(info: OptimizerInfo, inp: OptimizerInput, fmt: str, compile: bool):
     ref_params = params(SHAPES)
     ours = clone_params(ref_params)
     ref = info.reference(ref_params, **inp.kwargs)
     opt = info.optim_cls(ours, **inp.kwargs, state_format=fmt, min_quantize_numel=MIN_QUANTIZE_NUMEL,
-                         compile=False)
+                         compile=compile)
     for step in range(STEPS):
         for p, q, g in zip(ref_params, ours, grads(ref_params, step, mixed=False)):
             p.grad, q.grad = g, g.clone()
         ref.step()
         opt.step()
 
-    tol = info.tolerances[fmt]
+    tol = (info.fused_tolerances if compile else info.tolerances)[fmt]
     unit = inp.kwargs["lr"] * STEPS
     quantized = 0
     for shape, p, q in zip(SHAPES, ref_params, ours):
-        what = f"{info.name}({inp.desc}, {fmt}) param {shape}"
+        what = f"{info.name}({inp.desc}, {fmt}{', compiled' if compile else ''}) param {shape}"
         diff = (q.detach() - p.detach()).abs()
         if tol.exact:
             assert torch.equal(q, p), f"{what}: max |diff| {diff.max().item():.3g}, expected equal"
@@ -108,8 +111,9 @@ def test_table_covers_every_public_optimizer():
 
 @pytest.mark.parametrize("info", optim_db, ids=lambda info: info.name)
 def test_entry_is_complete(info: OptimizerInfo):
-    assert sorted(info.tolerances) == sorted(qstate.optim.STATE_FORMATS()), \
-        f"{info.name}: tolerances for {sorted(info.tolerances)}, state formats {qstate.optim.STATE_FORMATS()}"
+    for tolerances in (info.tolerances, info.fused_tolerances):
+        assert sorted(tolerances) == sorted(qstate.optim.STATE_FORMATS()), \
+            f"{info.name}: tolerances for {sorted(tolerances)}, state formats {qstate.optim.STATE_FORMATS()}"
     assert info.inputs, f"{info.name}: no inputs"
     accepted = inspect.signature(info.optim_cls).parameters
     for inp in info.inputs:
