@@ -64,25 +64,6 @@ def test_fp32_compiled_matches_torch():
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
-def _lion_reference(ps, steps, lr, betas, wd):
-    ms = [torch.zeros_like(p) for p in ps]
-    for i in range(steps):
-        for p, m, g in zip(ps, ms, grads(ps, i)):
-            with torch.no_grad():
-                p.mul_(1 - lr * wd)
-                p.add_(torch.sign(betas[0] * m + (1 - betas[0]) * g), alpha=-lr)
-                m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
-
-
-def test_lion_matches_reference():
-    a = params()
-    b = clone_params(a)
-    _lion_reference(a, 5, 1e-3, (0.9, 0.99), 0.1)
-    run_steps(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1, state_format="fp32", compile=False), b, 5)
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
-
-
 # ------------------------------------------------------------------ quantized states
 @pytest.mark.parametrize("fmt", sorted(FORMATS) + ["bf16"])
 def test_quantized_states_close_to_fp32(fmt):

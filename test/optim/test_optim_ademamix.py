@@ -1,12 +1,11 @@
 """AdEMAMix: parity with a plain-PyTorch copy of the published algorithm, on every path and format.
 
 The reference is the authors' ``AdEMAMix.step`` (``apple/ml-ademamix``, ``ademamix.py``), restated
-below over plain tensors. FSDP2 parity runs in ``test_optim_fsdp.py`` with the other optimizers.
+over plain tensors as ``optim_db.AdEMAMixReference``. FSDP2 parity runs in ``test_optim_db.py`` with the
+other optimizers.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -14,56 +13,7 @@ import torch
 import qstate
 from qstate.optim import AdEMAMix, functional as F
 
-
-def _linear_warmup(step, alpha_end, alpha_start=0, warmup=1):
-    if step < warmup:
-        a = step / float(warmup)
-        return (1.0 - a) * alpha_start + a * alpha_end
-    return alpha_end
-
-
-def _linear_hl_warmup(step, beta_end, beta_start=0, warmup=1):
-    def f(beta, eps=1e-8):
-        return math.log(0.5) / math.log(beta + eps) - 1
-
-    def f_inv(t):
-        return math.pow(0.5, 1 / (t + 1))
-
-    if step < warmup:
-        a = step / float(warmup)
-        return f_inv((1.0 - a) * f(beta_start) + a * f(beta_end))
-    return beta_end
-
-
-def _reference_step(params, states, lr, betas, alpha, beta3_warmup, alpha_warmup, eps, weight_decay):
-    """The published step, as the authors wrote it (plain tensors, float32)."""
-    beta1, beta2, beta3_final = betas
-    for p in params:
-        grad = p.grad
-        state = states.setdefault(p, {})
-        if not state:
-            state["step"] = 0
-            state["exp_avg_fast"] = torch.zeros_like(p) if beta1 != 0.0 else None
-            state["exp_avg_slow"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        exp_avg_fast, exp_avg_slow, exp_avg_sq = state["exp_avg_fast"], state["exp_avg_slow"], state["exp_avg_sq"]
-        state["step"] += 1
-        bias_correction1 = 1 - beta1 ** state["step"]
-        bias_correction2 = 1 - beta2 ** state["step"]
-        a = _linear_warmup(state["step"], alpha, 0, alpha_warmup) if alpha_warmup is not None else alpha
-        beta3 = (_linear_hl_warmup(state["step"], beta3_final, beta1, beta3_warmup)
-                 if beta3_warmup is not None else beta3_final)
-        if beta1 != 0.0:
-            exp_avg_fast.mul_(beta1).add_(grad, alpha=1 - beta1)
-        else:
-            exp_avg_fast = grad
-        exp_avg_slow.mul_(beta3).add_(grad, alpha=1 - beta3)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-        update = (exp_avg_fast.div(bias_correction1) + a * exp_avg_slow) / denom
-        update.add_(p, alpha=weight_decay)
-        p.add_(-lr * update)
-
+from optim_db import AdEMAMixReference
 
 _SHAPES = [(300, 301), (40, 50), (64,)]  # a fused kernel's size, a small matrix, a bias
 
@@ -91,13 +41,13 @@ def test_fp32_states_match_the_published_algorithm(setting, compile):
     lr, eps = 1e-2, 1e-8
     ps, ref = _params(), _params()
     opt = AdEMAMix(ps, lr=lr, eps=eps, state_format="fp32", compile=compile, **setting)
-    ref_states: dict = {}
+    ref_opt = AdEMAMixReference(ref, lr=lr, eps=eps, **setting)
+    ref_states = ref_opt.state
     for step in range(6):
         for p, q, g in zip(ps, ref, _grads(step)):
             p.grad, q.grad = g.clone(), g.clone()
         opt.step()
-        with torch.no_grad():
-            _reference_step(ref, ref_states, lr, eps=eps, **setting)
+        ref_opt.step()
         for p, q in zip(ps, ref):
             if compile:  # the compiled kernels may contract or reassociate
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -129,8 +79,10 @@ def test_quantized_states_are_the_published_step_of_their_decoded_values(state_f
     for p, q, g in zip(ps, ref, _grads(3)):
         p.grad, q.grad = g.clone(), g.clone()
     opt.step()
-    with torch.no_grad():
-        _reference_step(ref, ref_states, lr, eps=1e-8, **setting)
+    ref_opt = AdEMAMixReference(ref, lr=lr, eps=1e-8, **setting)
+    for q in ref:
+        ref_opt.state[q] = ref_states[q]
+    ref_opt.step()
     for p, q in zip(ps, ref):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for n, s in opt.state[p].items():

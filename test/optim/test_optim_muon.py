@@ -424,7 +424,9 @@ def test_convert_state_dict_between_policies():
 
 
 # ------------------------------------------------------------------ FSDP2
-FSDP_CONFIGS = [("fp32", True), ("8bit", True), ("4bit", True), ("fp8", False), ("4bit", False)]
+#: besides ``test_optim_db.py``'s FSDP2 run (``optim_db``'s Muon input, nesterov, in 8bit, 4bit, fp8 and fp32
+#: states, against the unsharded run): the collectives of a step, the resume, and Muon without nesterov
+FSDP_CONFIGS = [("4bit", True), ("fp8", False), ("4bit", False)]
 FSDP_STEPS = 3
 
 
