@@ -28,16 +28,13 @@ MAX_MODULE_DOC_LINES = 20
 #: move within its package (qstate.optim._step to qstate.optim._engine._step); drop an entry once its
 #: module is shortened (test_allow_list_is_still_needed says which)
 LONG_MODULE_DOCS = {
-    "qstate.optim": {"_base", "_step", "_arguments", "_cpu_kernel", "_kernels", "muon", "_cpu_build", "_prepared",
-                     "rules", "_param_rounding", "_fused_op", "_codec", "_cpu_rule"},
+    "qstate.optim": {"_arguments", "rules"},
     "qstate": {"demo"},
     "qstate.integrations": {"torchtitan"},
 }
 
 #: modules whose docstrings still quote measurements, by package and basename as above
-FIGURES_IN_MODULE_DOCS = {
-    "qstate.optim": {"_cpu_kernel", "_kernels"},
-}
+FIGURES_IN_MODULE_DOCS: dict[str, set[str]] = {}
 
 #: words that named something since renamed or removed (commits 388640c, 191b907, 980eacb, 6980a29)
 RETIRED = [
@@ -49,10 +46,15 @@ RETIRED = [
     r"\bcall_key\b",             # -> variant_name
     r"\beager_call\b",           # -> eager_variant
     r"\bRule\.kind\b",           # dtensor_rules' Rule.form
+    r"\b(fused|eager)_variant\b",  # the op's variant is UpdateVariant(...).name
+    r"\bvariant_name\b",         # -> UpdateVariant.name
+    r"\b_fused_op\b|\bupdate_cpu\b|\bupdate_default\b",  # the op's kernel: optim/_engine/op.py, update
+    r"\boptim\._step\b|\boptim/_step\.py\b",  # the engine's door: optim/_engine/step.py
+    r"\b_cpu_kernel\.py\b|\b_cpu_rule\b|\b_cpu_encode\b|\b_cpu_build\b",  # optim/_engine/cpu/
     r"\bUnrepresentableShardWarning\b",  # removed: view(dtype) no longer redistributes
     r"\bpositional_rand(?:_like|om_)",   # removed with the old install()'s scheme
     r"\b_splitmix64\b",          # merged into qstate._random
-    r"\boptim[./]_rounding\b",   # -> qstate.optim._param_rounding
+    r"\boptim[./]_rounding\b",   # -> qstate.optim._engine.param_rounding
     r"\bsessions?\b",            # dates and commits, which readers can look up
     r"\bissue \d+",              # the same
 ]

@@ -1,47 +1,21 @@
 """Muon with a quantized momentum buffer: the rule, :class:`Muon` and its functional form :func:`muon`.
 
-Muon (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural
-networks") updates a 2-D parameter with the orthogonalized momentum of its
-gradient. Its update is not elementwise (Newton-Schulz needs the whole
-matrix), so it lives here, outside the elementwise rules of ``rules.py``,
-and always runs op by op.
+Muon (Jordan et al., 2024) updates a 2-D parameter with the orthogonalized momentum of its gradient;
+Newton-Schulz needs the whole matrix, so the update runs op by op, outside the elementwise rules.
+Semantics are ``torch.optim.Muon``'s: ``B <- lerp(B, g, 1 - momentum)``; ``U <- lerp(g, B, momentum)``
+with ``nesterov``, else ``B``; ``O <- NS(U)`` (``ns_steps`` quintic iterations with ``ns_coefficients``
+in bfloat16, on the transpose of a tall matrix, after dividing by ``max(||U||_F, eps)``); ``p <- p * (1
+- lr * weight_decay)``, then ``p <- p - adjust_lr(lr, shape) * O``.
 
-Semantics are ``torch.optim.Muon``'s (``torch/optim/_muon.py``), step by step:
-
-* ``B <- lerp(B, g, 1 - momentum)``;
-* ``U <- lerp(g, B, momentum)`` with ``nesterov``, else ``U <- B``;
-* ``O <- NS(U)``: ``ns_steps`` quintic Newton-Schulz iterations with
-  ``ns_coefficients`` in bfloat16, on the transpose when the matrix has more
-  rows than columns, after dividing by ``max(||U||_F, eps)``;
-* ``p <- p * (1 - lr * weight_decay)`` (decoupled weight decay with the
-  unadjusted ``lr``), then ``p <- p - adjust_lr(lr, shape) * O``.
-
-Storage rules and invariants:
-
-* The momentum buffer is a state of the optimizer's policy (``state_format``,
-  ``block_size``, ``state_rounding``, ``min_quantize_numel``; see ``_base.py``):
-  a signed :class:`~qstate.QuantizedState` (or a DTensor over one), or a plain
-  float32/bfloat16 tensor. The momentum is computed in float32 from the stored
-  buffer, the update reads that float32 value, and the buffer stores it with
-  ``copy_`` (requantized in its own layout and rounding). With float32 states
-  and float32 parameters every op is ``torch.optim.Muon``'s, so the results
-  are its results.
-* DTensor parameters (FSDP2) stay DTensors: the momentum is updated shard by
-  shard, the update matrix is cast to bfloat16 and redistributed to
-  ``Replicate()`` (one all-gather per parameter and step), orthogonalized
-  (matmuls of replicated DTensors run locally), and redistributed back to the
-  parameter's placements (a local slice). Uneven shards work as in any
-  redistribution. Every rank computes the same full matrix from the same
-  values, so a sharded step equals the unsharded one.
-* A buffer that rounds stochastically draws by place
-  (``qstate/formats/_rounding.py``): one key per parameter and step from the
-  CPU generator (in :meth:`Muon.step`, the optimizer's rounding stream of
-  seed, group and step, as the other optimizers'; the functional form takes
-  the default generator's), hashed with each element's index in the full
-  matrix. So equal gradients give equal bits on any number of ranks, and a
-  gradient that differs in its last bits (another summation order) changes a
-  code only where the difference crosses the draw's threshold, about as
-  rarely as round-to-nearest's.
+Storage rules and invariants: the momentum buffer is a state of the optimizer's policy (a signed
+:class:`~qstate.QuantizedState`, a DTensor over one, or a plain tensor); the momentum is computed in
+float32 from it and stored with ``copy_`` (requantized in its own layout and rounding), so with
+float32 states and parameters the results are ``torch.optim.Muon``'s. DTensor parameters stay
+DTensors: the update matrix is redistributed to ``Replicate()`` in bfloat16 (one all-gather per
+parameter and step), orthogonalized locally and redistributed back, so a sharded step equals the
+unsharded one. A buffer that rounds stochastically draws by each element's place in the full matrix
+under one key per parameter and step (the optimizer's rounding stream): the same bits on any number
+of ranks.
 """
 
 from __future__ import annotations
