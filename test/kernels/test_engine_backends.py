@@ -93,3 +93,24 @@ def test_a_switched_off_c_kernel_leaves_its_prepared_calls_unused(monkeypatch):
             opt.step()
         assert len(c_calls) - before == (0 if step == 2 else 1)
         assert torch.equal(p, ref)
+
+
+def test_the_op_refuses_a_scalar_vector_of_another_length_before_writing():
+    # the kernels read one scalar per name of the rule: a shorter vector would be read past its end
+    from qstate.optim._engine.op import UpdateVariant
+
+    flags = (("amsgrad", False), ("decoupled", True), ("maximize", False))
+    p, g = torch.randn(4, 256), torch.randn(4, 256)
+    m, v = qstate.zeros_like(p, "8bit", signed=True), qstate.zeros_like(p, "8bit", signed=False)
+    before = [t.clone() for t in (p, m.codes, m.scale, v.codes, v.scale)]
+    for eager in (False, True):
+        variant = UpdateVariant("adam", flags, False, eager).name
+        for hyper in (torch.zeros(8), torch.zeros(9, 1), torch.zeros(9, dtype=torch.int64)):
+            try:
+                torch.ops.qstate.fused_update([p], [g], [m, v], hyper, variant)
+            except ValueError as error:
+                assert "expected hyper to be a floating-point vector of the 9 scalars of 'adam'" in str(error)
+            else:
+                raise AssertionError(f"no error for hyper of shape {tuple(hyper.shape)}, {hyper.dtype}")
+    for a, b in zip(before, (p, m.codes, m.scale, v.codes, v.scale)):
+        assert torch.equal(a, b)

@@ -13,9 +13,9 @@ import torch
 
 import qstate
 from qstate._state import QuantizedState
-from qstate.optim import _cpu_kernel
-from qstate.optim._cpu_encode import CPUStateKernels
-from qstate.optim._kernels import KernelSpec
+from qstate.optim._engine.cpu import kernel as _cpu_kernel
+from qstate.optim._engine.cpu.state_kernels import CPUStateKernels
+from qstate.optim._engine.spec import KernelSpec
 from qstate.optim.rules import RULES
 
 pytestmark = pytest.mark.skipif(_cpu_kernel._compiler() is None, reason="no C compiler: the C kernel never runs")
@@ -117,7 +117,7 @@ def test_update_writes_only_its_buffers(fmt, dtype):
         p = canaries.tensor(p0)
         states = [canaries.tensor(s) if fmt == "plain" else canaries.state(s) for s in _adam_states(fmt, p0)]
         spec = KernelSpec.of("adam", _FLAGS, p, states, False)
-        assert _cpu_kernel.supports(spec, p.device, dtype), what
+        assert _cpu_kernel.supports(spec, dtype), what
         for g in grads:
             _cpu_kernel.run(spec, ref_p, g, ref_states, hyper)
             _cpu_kernel.run(spec, p, canaries.tensor(g), states, hyper)

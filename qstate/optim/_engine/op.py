@@ -113,6 +113,11 @@ def update(params: Sequence[Tensor], grads: Sequence[Tensor], states: Sequence[T
         raise ValueError(f"qstate::fused_update: expected one sr_key and start per param, got {len(params)} "
                          f"params, {len(sr_keys)} sr_keys, {'no' if starts is None else len(starts)} starts")
     rule = RULES[call.rule]
+    if hyper.dim() != 1 or hyper.numel() != len(rule.scalar_names) or not hyper.is_floating_point():
+        # the kernels read one scalar per name: a shorter vector would be read past its end
+        raise ValueError(f"qstate::fused_update: expected hyper to be a floating-point vector of the "
+                         f"{len(rule.scalar_names)} scalars of {call.rule!r} ({', '.join(rule.scalar_names)}), "
+                         f"got shape {tuple(hyper.shape)}, dtype {hyper.dtype}")
     if call.eager:
         h = _eager_scalars(rule, call, hyper, params[0].device) if params else {}
     else:
