@@ -31,7 +31,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._library import decode as decode_op
 from ._op_table import dispatch
+from ._state_codec import traced_codec
 from ._state_kernels import kernels_for
 from .formats import FORMATS, ROUNDINGS, BlockFormat, get_format
 from .formats.map_formats import legacy_map_name
@@ -180,6 +182,9 @@ class QuantizedState(Tensor):
         kernels = kernels_for(self)
         if kernels is not None and kernels.decodes(self):  # the same values
             flat = kernels.decode(self)
+        elif traced_codec(self):  # compiled code calls the op's kernels: the same values
+            flat = decode_op(self.codes, self.scale, self.qmap, self.format, self.signed, self.block_size,
+                             self.row_len)
         else:
             flat = self.fmt.decode(self.codes, self.scale, self.row_len, self.block_size, self.qmap).reshape(-1)
         numel = math.prod(self.shape)
