@@ -10,8 +10,8 @@ registered for these ops (:mod:`qstate.optim._engine.cpu.state_kernels`) run the
 the codes, scales and values these kernels give, bit for bit.
 
 A state's ``dequantize``, ``copy_`` of values and in-place math call the ops while
-``torch.compile`` traces them (:func:`traced_codec`), so that the compiled code calls the device
-kernels rather than inlining the formats' torch ops.
+``torch.compile`` traces them on devices with registered kernels (:func:`traced_codec`), so that the
+compiled code calls the device kernels rather than inlining the formats' torch ops.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ._library import LIBRARY
+from ._state_kernels import registered_device_types
 from .formats import FORMATS, get_format
 
 __all__ = ["check_codec_args", "encode_rows_into", "decode_rows", "rows_of", "traced_codec"]
@@ -109,5 +110,7 @@ LIBRARY.impl("decode", decode_rows, "CompositeExplicitAutograd")
 
 def traced_codec(q: Any) -> bool:
     """Whether ``q``'s encode (rounded to nearest) and decode go through the ops: while ``torch.compile``
-    traces (the traced graph then calls the ops' device kernels), for a state off the meta device."""
-    return torch.compiler.is_compiling() and not q.codes.is_meta
+    traces, for a state on a device type with registered kernels (:mod:`qstate._state_kernels`; the
+    traced graph then calls them). Elsewhere the compiled code keeps the formats' torch ops, which the
+    compiler fuses into its own kernels."""
+    return torch.compiler.is_compiling() and q.codes.device.type in registered_device_types()

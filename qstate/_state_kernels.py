@@ -7,6 +7,11 @@ A :class:`~qstate.QuantizedState`'s ``dequantize``, ``copy_`` of values into a s
 for CPU states. Registered kernels write exactly the codes and scales the formats' encode writes and
 read exactly the values their decode reads, and raise before writing anything when a buffer is not
 what they take.
+
+While ``torch.compile`` traces a state of a device type registered here, its encode and decode are
+the ops ``qstate::encode_into_`` and ``qstate::decode`` (:mod:`qstate._state_codec`), so a device
+type that registers kernels here registers the same kernels for those ops (the C kernel's module
+does for CPU); the compiled code calls them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["StateKernels", "kernels_for", "register_state_kernels"]
+__all__ = ["StateKernels", "kernels_for", "register_state_kernels", "registered_device_types"]
 
 
 class StateKernels(Protocol):
@@ -42,6 +47,11 @@ _KERNELS: dict[str, StateKernels] = {}
 def register_state_kernels(device_type: str, kernels: StateKernels) -> None:
     """Register ``kernels`` for states on ``device_type`` (replacing earlier ones)."""
     _KERNELS[device_type] = kernels
+
+
+def registered_device_types() -> frozenset[str]:
+    """The device types with registered kernels."""
+    return frozenset(_KERNELS)
 
 
 def kernels_for(q: Any) -> Optional[StateKernels]:
