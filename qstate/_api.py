@@ -10,8 +10,8 @@ from torch import Tensor
 
 from ._dtensor import is_dtensor, shard_of, wrap_local_state
 from ._library import encode_into_
-from ._state_codec import rows_of, traced_codec
-from ._state_kernels import kernels_for
+from ._state_codec import rows_of
+from ._state_kernels import kernels_for, traced_codec
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 

@@ -10,7 +10,8 @@ registered for these ops (:mod:`qstate.optim._engine.cpu.state_kernels`) run the
 the codes, scales and values these kernels give, bit for bit.
 
 A state's ``dequantize``, ``copy_`` of values and in-place math call the ops while
-``torch.compile`` traces them on devices with registered kernels (:func:`traced_codec`), so that the
+``torch.compile`` traces them on devices with registered kernels
+(:func:`qstate._state_kernels.traced_codec`), so that the
 compiled code calls the device kernels rather than inlining the formats' torch ops.
 """
 
@@ -22,10 +23,9 @@ import torch
 from torch import Tensor
 
 from ._library import LIBRARY
-from ._state_kernels import registered_device_types
 from .formats import FORMATS, get_format
 
-__all__ = ["check_codec_args", "encode_rows_into", "decode_rows", "rows_of", "traced_codec"]
+__all__ = ["check_codec_args", "encode_rows_into", "decode_rows", "rows_of"]
 
 
 def rows_of(x: Tensor, rows: int, row_len: int) -> Tensor:
@@ -106,11 +106,3 @@ def decode_rows(codes: Tensor, scale: Tensor, qmap: Optional[Tensor], format: st
 
 LIBRARY.impl("encode_into_", encode_rows_into, "CompositeExplicitAutograd")
 LIBRARY.impl("decode", decode_rows, "CompositeExplicitAutograd")
-
-
-def traced_codec(q: Any) -> bool:
-    """Whether ``q``'s encode (rounded to nearest) and decode go through the ops: while ``torch.compile``
-    traces, for a state on a device type with registered kernels (:mod:`qstate._state_kernels`; the
-    traced graph then calls them). Elsewhere the compiled code keeps the formats' torch ops, which the
-    compiler fuses into its own kernels."""
-    return torch.compiler.is_compiling() and q.codes.device.type in registered_device_types()

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["StateKernels", "kernels_for", "register_state_kernels", "registered_device_types"]
+__all__ = ["StateKernels", "kernels_for", "register_state_kernels", "traced_codec"]
 
 
 class StateKernels(Protocol):
@@ -49,11 +49,6 @@ def register_state_kernels(device_type: str, kernels: StateKernels) -> None:
     _KERNELS[device_type] = kernels
 
 
-def registered_device_types() -> frozenset[str]:
-    """The device types with registered kernels."""
-    return frozenset(_KERNELS)
-
-
 def kernels_for(q: Any) -> Optional[StateKernels]:
     """The kernels registered for ``q``'s device type, if any; none for a fake, meta or subclass state, while
     tracing, or under a dispatch mode (the kernels read and write real buffers, outside torch's dispatch;
@@ -63,3 +58,11 @@ def kernels_for(q: Any) -> Optional[StateKernels]:
             or _get_current_dispatch_mode() is not None:
         return None
     return _KERNELS.get(codes.device.type)
+
+
+def traced_codec(q: Any) -> bool:
+    """Whether ``q``'s encode (rounded to nearest) and decode are the ops ``qstate::encode_into_`` and
+    ``qstate::decode``: while ``torch.compile`` traces, for a state on a device type with registered
+    kernels (the traced graph then calls the ops' kernels for it). Elsewhere compiled code keeps the
+    formats' torch ops, which the compiler fuses into its own kernels."""
+    return torch.compiler.is_compiling() and q.codes.device.type in _KERNELS

@@ -9,8 +9,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._library import LIBRARY
 from .._api import check_nonnegative, encode_into, encode_like, row_layout, zero_parts
-from .._state_codec import traced_codec
-from .._state_kernels import kernels_for
+from .._state_kernels import kernels_for, traced_codec
 from .._state import QuantizedState
 from ..formats.map_formats import legacy_map_name
 from .._op_table import register
