@@ -151,7 +151,7 @@ def encode_into(q: QuantizedState, x: Tensor) -> None:
     formats' encode reads them)."""
     if x.dtype not in APPEARANCE_DTYPES:
         x = x.float()
-    encode_into_(q.codes, q.scale, x.to(q.codes.device), q.qmap, q.format, q.signed, q.block_size, q.row_len)
+    encode_into_(q.codes, q.scale, x.detach().to(q.codes.device), q.qmap, q.format, q.signed, q.block_size, q.row_len)
 
 
 def encode_like(q: QuantizedState, x: Tensor, draws: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:

@@ -15,6 +15,8 @@ only) before the C kernel sees a buffer; a call the C kernel does not take runs 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -73,15 +75,18 @@ class CPUStateKernels:
         return c_kernel.decode_once(_spec(q, torch.float32), q)
 
 
-
-#: the ops' CPU kernels' (the package registers its own instance for the states' writes and reads)
+#: the kernels the ops' CPU kernels run (the package registers an instance of its own for the states' writes
+#: and reads, ``cpu/__init__.py``)
 _KERNELS = CPUStateKernels()
 
 
 def _state_of(op: str, codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
-              row_len: int, numel: int, dtype: torch.dtype) -> QuantizedState:
-    """The 1-D state of ``numel`` elements over these parts, checked (shapes, dtypes, devices)."""
-    check_codec_args(op, codes, scale, qmap, format, signed, block_size, row_len)
+              row_len: int, values: Optional[Tensor] = None) -> QuantizedState:
+    """The 1-D state over these parts, of ``values``' elements (else all the rows'), checked (shapes, dtypes,
+    devices) as the ops' arguments and as a state."""
+    check_codec_args(op, codes, scale, qmap, format, signed, block_size, row_len, values)
+    numel = codes.shape[0] * row_len if values is None else values.numel()
+    dtype = torch.float32 if values is None else values.dtype
     check_parts(codes, scale, qmap, format=format, signed=signed, block_size=block_size, row_len=row_len,
                 shape=(numel,), dtype=dtype, rounding="nearest", values=False)
     return QuantizedState(codes, scale, qmap, format=format, signed=signed, block_size=block_size, row_len=row_len,
@@ -96,9 +101,7 @@ def _whole(q: QuantizedState) -> bool:
 def _encode_into_cpu(codes: Tensor, scale: Tensor, values: Tensor, qmap, format: str, signed: bool, block_size: int,
                      row_len: int) -> None:
     """``qstate::encode_into_`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
-    op = "qstate::encode_into_"
-    check_codec_args(op, codes, scale, qmap, format, signed, block_size, row_len, values)
-    q = _state_of(op, codes, scale, qmap, format, signed, block_size, row_len, values.numel(), values.dtype)
+    q = _state_of("qstate::encode_into_", codes, scale, qmap, format, signed, block_size, row_len, values)
     if _whole(q) and q.rows * q.row_len == values.numel() and _KERNELS.encodes(q, values):
         _KERNELS.encode_into(q, values)
     else:
@@ -108,8 +111,7 @@ def _encode_into_cpu(codes: Tensor, scale: Tensor, values: Tensor, qmap, format:
 def _decode_cpu(codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
                 row_len: int) -> Tensor:
     """``qstate::decode`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
-    q = _state_of("qstate::decode", codes, scale, qmap, format, signed, block_size, row_len,
-                  codes.shape[0] * row_len, torch.float32)
+    q = _state_of("qstate::decode", codes, scale, qmap, format, signed, block_size, row_len)
     if _whole(q) and _KERNELS.decodes(q):
         return _KERNELS.decode(q)
     return decode_rows(codes, scale, qmap, format, signed, block_size, row_len)
