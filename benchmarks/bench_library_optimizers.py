@@ -7,10 +7,11 @@ moments, whose names hold ``sq``, unsigned), stepping through qstate's ops on th
 pytorch-optimizer). Timing: interleaved rounds, medians (``_common.py``).
 
 heavyball compiles its step by default (``torch.compile``, where the states' encode and decode are
-the formats' torch ops); ``--heavyball-eager`` sets ``heavyball.utils.compile_mode = None``.
+the ops ``qstate::encode_into_`` and ``qstate::decode``, whose CPU kernels are the C kernel's);
+``--heavyball-eager`` sets ``heavyball.utils.compile_mode = None``.
 
     python benchmarks/bench_library_optimizers.py [--shape 2048x2048] [--repeats 5] [--threads N]
-                                                  [--heavyball-eager]
+                                                  [--heavyball-eager] [--optimizers heavyball,Adan]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import heavyball
 import pytorch_optimizer
 import torch
 
-from _common import print_ratios, time_interleaved
+from _common import parse_list, print_ratios, time_interleaved
 
 import qstate
 
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--optimizers", default=None,
+                    help="comma-separated parts of the names of the optimizers to run (default: all)")
     ap.add_argument("--heavyball-eager", action="store_true", help="heavyball without torch.compile")
     args = ap.parse_args()
     if args.heavyball_eager:
@@ -72,7 +75,10 @@ def main() -> None:
         return step
 
     steps = {"torch fused AdamW": stepper(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), False)}
+    wanted = parse_list(args.optimizers) if args.optimizers else None
     for name, make in OPTIMIZERS.items():
+        if wanted is not None and not any(w in name for w in wanted):
+            continue
         steps[f"{name}, fp32 states"] = stepper(make, False)
         steps[f"{name}, 8bit states"] = stepper(make, True)
     times = time_interleaved(steps, args.repeats)

@@ -12,8 +12,13 @@ Each is also timed with the C kernel's encode switched off
 (``qstate.optim.cpu_kernel_enabled(False)``: the formats' torch encode), the path every write took
 before the encode was registered. Timing: interleaved rounds, medians (``_common.py``).
 
+``--moments`` times instead an Adam-like moment update written by hand on two states of each format,
+``m.lerp_(g, 0.1); v.mul_(0.999).add_(g * g, alpha=0.001)`` (``v`` unsigned), eager and under
+``torch.compile(fullgraph=True)`` (inductor), as a user's compiled optimizer step runs it. (``addcmul_``
+on a state does not compile: dynamo rewrites it into ``prims.fma``, which the op table does not take.)
+
     python benchmarks/bench_state_writes.py [--shape 4096x4096] [--formats 8bit,4bit,fp8] [--repeats 5]
-                                            [--threads N]
+                                            [--threads N] [--moments]
 """
 
 from __future__ import annotations
@@ -28,12 +33,31 @@ import qstate
 from qstate.optim import cpu_kernel_enabled
 
 
+def moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> None:
+    m.lerp_(g, 0.1)
+    v.mul_(0.999).add_(g * g, alpha=0.001)
+
+
+def moment_steps(values: torch.Tensor, formats: list[str]) -> dict:
+    """Per format: :func:`moments` eager and compiled (compiled once here, before the timing)."""
+    steps = {}
+    compiled = torch.compile(moments, fullgraph=True)
+    for fmt in formats:
+        m = qstate.quantize(values, fmt)
+        v = qstate.quantize(values.abs(), fmt, signed=False)
+        compiled(m, v, values)
+        steps[f"{fmt} moments, eager"] = lambda m=m, v=v: moments(m, v, values)
+        steps[f"{fmt} moments, compiled"] = lambda m=m, v=v: compiled(m, v, values)
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4096x4096")
     ap.add_argument("--formats", default="8bit,4bit,fp8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--moments", action="store_true", help="time a moment update, eager and compiled, instead")
     ap.add_argument("--no-torch-encode", action="store_true", help="skip the runs with the C encode switched off")
     args = ap.parse_args()
     if args.threads:
@@ -47,7 +71,9 @@ def main() -> None:
     fused = torch.optim.AdamW([fused_p], lr=1e-3, fused=True)
 
     steps = {"torch fused AdamW": fused.step}
-    for fmt in parse_list(args.formats):
+    if args.moments:
+        steps.update(moment_steps(values, parse_list(args.formats)))
+    for fmt in parse_list(args.formats) if not args.moments else ():
         state = qstate.quantize(values, fmt)
         ops = {
             "copy_": lambda s=state: s.copy_(values),

@@ -9,11 +9,13 @@ import torch
 from torch import Tensor
 
 from ._dtensor import is_dtensor, shard_of, wrap_local_state
-from ._state_kernels import kernels_for
+from ._library import encode_into_
+from ._state_codec import rows_of
+from ._state_kernels import kernels_for, traced_codec
 from ._state import APPEARANCE_DTYPES, QuantizedState
 from .formats import BlockFormat, get_format
 
-__all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_like", "zero_parts", "check_nonnegative"]
+__all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_into", "encode_like", "zero_parts", "check_nonnegative"]
 
 
 def row_layout(shape: Sequence[int]) -> tuple[int, int]:
@@ -52,18 +54,9 @@ def _check_appearance(dtype: torch.dtype, what: str) -> None:
         )
 
 
-def _rows(x: Tensor, rows: int, row_len: int) -> Tensor:
-    """``x`` flattened into ``[rows, row_len]`` (zero-padded at the end)."""
-    flat = x.reshape(-1)
-    pad = rows * row_len - flat.numel()
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.view(rows, row_len)
-
-
 def _encode_rows(f: BlockFormat, x: Tensor, rows: int, row_len: int, block_size: int,
                  signed: bool, qmap: Optional[Tensor], rounding: str) -> tuple[Tensor, Tensor]:
-    return f.encode(_rows(x, rows, row_len), block_size, signed, qmap, rounding)
+    return f.encode(rows_of(x, rows, row_len), block_size, signed, qmap, rounding)
 
 
 def check_nonnegative(x: Tensor, what: str) -> None:
@@ -117,6 +110,9 @@ def quantize(x: Tensor, fmt: str, *, signed: bool = True, block_size: Optional[i
         if kernels is not None and kernels.encodes(q, x):  # the same codes and scales
             kernels.encode_into(q, x.detach())
             return q
+        if rounding == "nearest" and traced_codec(q):  # compiled code calls the op's kernels: the same bits
+            encode_into(q, x.detach())
+            return q
     return state(*_encode_rows(f, x.detach(), rows, row_len, bs, signed, qmap, rounding))
 
 
@@ -149,14 +145,23 @@ def zeros_like(p: Tensor, fmt: str, *, signed: bool = True, block_size: Optional
                           block_size=bs, row_len=row_len, shape=p.shape, dtype=dtype, rounding=rounding)
 
 
+def encode_into(q: QuantizedState, x: Tensor) -> None:
+    """Write values ``x`` (``q``'s shape) into ``q``'s codes and scales in place, rounded to nearest, by
+    ``qstate::encode_into_`` (float32 or bfloat16 values as they are, other float dtypes as float32, as the
+    formats' encode reads them)."""
+    if x.dtype not in APPEARANCE_DTYPES:
+        x = x.float()
+    encode_into_(q.codes, q.scale, x.detach().to(q.codes.device), q.qmap, q.format, q.signed, q.block_size, q.row_len)
+
+
 def encode_like(q: QuantizedState, x: Tensor, draws: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Quantize values ``x`` (``q``'s shape) into ``q``'s exact layout and rounding -> ``(codes, scale)``
     (``draws``: stochastic rounding's 32-bit draws by position, ``x``'s shape; see
     :mod:`qstate.formats._rounding`)."""
     device = q.codes.device
     if draws is not None:
-        draws = _rows(draws.to(device), q.rows, q.row_len)
-    return q.fmt.encode(_rows(x.to(device), q.rows, q.row_len), q.block_size, q.signed, q.qmap, q.rounding,
+        draws = rows_of(draws.to(device), q.rows, q.row_len)
+    return q.fmt.encode(rows_of(x.to(device), q.rows, q.row_len), q.block_size, q.signed, q.qmap, q.rounding,
                         draws)
 
 

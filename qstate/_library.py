@@ -10,7 +10,8 @@ states its contract):
   one call per step and param group (as torch's ``_fused_adamw_``);
 * ``flat_index_like``: each element's row-major index in the full tensor, no collectives;
 * ``copy_with_draws_``: ``copy_`` whose stochastic rounding draws by position;
-* ``stochastic_round_bf16``: float32 to bfloat16 with given draws.
+* ``stochastic_round_bf16``: float32 to bfloat16 with given draws;
+* ``encode_into_``, ``decode``: a state's encode (rounded to nearest) and decode, on its parts.
 
 Invariant: stochastic decisions depend on each element's place in the full tensor, never on the
 layout, so every path and every number of ranks draws alike.
@@ -22,8 +23,8 @@ import torch
 
 from typing import Sequence
 
-__all__ = ["LIBRARY", "copy_with_draws_", "flat_index_like", "fused_update", "states_per_param",
-           "stochastic_round_bf16"]
+__all__ = ["LIBRARY", "copy_with_draws_", "decode", "encode_into_", "flat_index_like", "fused_update",
+           "states_per_param", "stochastic_round_bf16"]
 
 #: the ``qstate`` namespace; lives as long as the process (torch has no way to drop a namespace)
 LIBRARY = torch.library.Library("qstate", "DEF")
@@ -33,6 +34,10 @@ LIBRARY.define("fused_update(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] s
 LIBRARY.define("flat_index_like(Tensor self) -> Tensor")
 LIBRARY.define("copy_with_draws_(Tensor(a!) self, Tensor src, Tensor draws) -> ()")
 LIBRARY.define("stochastic_round_bf16(Tensor x, Tensor draws) -> Tensor")
+LIBRARY.define("encode_into_(Tensor(a!) codes, Tensor(b!) scale, Tensor values, Tensor? qmap, str format, "
+               "bool signed, int block_size, int row_len) -> ()")
+LIBRARY.define("decode(Tensor codes, Tensor scale, Tensor? qmap, str format, bool signed, int block_size, "
+               "int row_len) -> Tensor")
 
 
 # fake (meta) kernels, for tracing and FakeTensorMode: shapes and dtypes only
@@ -54,6 +59,15 @@ def _copy_with_draws_fake(self, src, draws) -> None:
 @torch.library.register_fake("qstate::stochastic_round_bf16", lib=LIBRARY)
 def _stochastic_round_bf16_fake(x, draws):
     return torch.empty_like(x, dtype=torch.bfloat16)
+
+@torch.library.register_fake("qstate::encode_into_", lib=LIBRARY)
+def _encode_into_fake(codes, scale, values, qmap, format, signed, block_size, row_len) -> None:
+    return None
+
+
+@torch.library.register_fake("qstate::decode", lib=LIBRARY)
+def _decode_fake(codes, scale, qmap, format, signed, block_size, row_len):
+    return codes.new_empty((codes.shape[0] * row_len,), dtype=torch.float32)
 
 #: ``fused_update(params, grads, states, hyper, variant, sr_keys=None, starts=None)``: one optimizer
 #: update of each ``params[i]`` and its states in place. ``states`` is flat, the same number per
@@ -81,6 +95,18 @@ copy_with_draws_ = torch.ops.qstate.copy_with_draws_.default
 #: ``view(dtype)``; as one op, a DTensor runs it shard by shard under qstate's own rule, whatever
 #: torch's rule for ``view(dtype)`` is.
 stochastic_round_bf16 = torch.ops.qstate.stochastic_round_bf16.default
+#: ``encode_into_(codes, scale, values, qmap, format, signed, block_size, row_len)``: ``values`` (float32
+#: or bfloat16, any shape, the elements of ``codes.shape[0]`` rows of ``row_len`` less under a row of
+#: padding) encoded into a state's ``codes`` and ``scale`` in place, rounded to nearest, as
+#: ``qstate.formats.get_format(format).encode`` encodes them. The parts are a state's
+#: (:class:`~qstate.QuantizedState`'s storage rules); anything else raises ``ValueError`` before any
+#: write. Its kernels: the formats' torch ops (``CompositeExplicitAutograd``) and the device kernels of
+#: :mod:`qstate._state_kernels` (the same bits), so compiled code calls them as one op.
+encode_into_ = torch.ops.qstate.encode_into_.default
+#: ``decode(codes, scale, qmap, format, signed, block_size, row_len)``: a state's values from its parts, a
+#: new float32 tensor of ``codes.shape[0] * row_len`` elements (padding included), as
+#: ``qstate.formats.get_format(format).decode`` reads them; kernels and checks as ``encode_into_``'s.
+decode = torch.ops.qstate.decode.default
 
 
 def states_per_param(params: Sequence, grads: Sequence, states: Sequence) -> int:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ._op_table import dispatch
-from ._state_kernels import kernels_for
+from ._state_kernels import kernels_for, traced_codec
 from .formats import FORMATS, ROUNDINGS, BlockFormat, get_format
 from .formats.map_formats import legacy_map_name
 
@@ -180,6 +180,9 @@ class QuantizedState(Tensor):
         kernels = kernels_for(self)
         if kernels is not None and kernels.decodes(self):  # the same values
             flat = kernels.decode(self)
+        elif traced_codec(self):  # compiled code calls qstate::decode's kernels (qstate._library): the same values
+            flat = torch.ops.qstate.decode.default(self.codes, self.scale, self.qmap, self.format, self.signed,
+                                                   self.block_size, self.row_len)
         else:
             flat = self.fmt.decode(self.codes, self.scale, self.row_len, self.block_size, self.qmap).reshape(-1)
         numel = math.prod(self.shape)

@@ -7,6 +7,11 @@ A :class:`~qstate.QuantizedState`'s ``dequantize``, ``copy_`` of values into a s
 for CPU states. Registered kernels write exactly the codes and scales the formats' encode writes and
 read exactly the values their decode reads, and raise before writing anything when a buffer is not
 what they take.
+
+While ``torch.compile`` traces a state of a device type registered here, its encode and decode are
+the ops ``qstate::encode_into_`` and ``qstate::decode`` (:mod:`qstate._state_codec`), so a device
+type that registers kernels here registers the same kernels for those ops (the C kernel's module
+does for CPU); the compiled code calls them.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["StateKernels", "kernels_for", "register_state_kernels"]
+__all__ = ["StateKernels", "kernels_for", "register_state_kernels", "traced_codec"]
 
 
 class StateKernels(Protocol):
@@ -53,3 +58,11 @@ def kernels_for(q: Any) -> Optional[StateKernels]:
             or _get_current_dispatch_mode() is not None:
         return None
     return _KERNELS.get(codes.device.type)
+
+
+def traced_codec(q: Any) -> bool:
+    """Whether ``q``'s encode (rounded to nearest) and decode are the ops ``qstate::encode_into_`` and
+    ``qstate::decode``: while ``torch.compile`` traces, for a state on a device type with registered
+    kernels (the traced graph then calls the ops' kernels for it). Elsewhere compiled code keeps the
+    formats' torch ops, which the compiler fuses into its own kernels."""
+    return torch.compiler.is_compiling() and q.codes.device.type in _KERNELS

@@ -6,14 +6,23 @@ An encode is the update rule :data:`WRITE` (one state, math ``(p, [g])``) run wi
 ``qstate_decode``: ``qmap[code] * scale``, the values the update reads. Both take states the C kernel
 supports that carry their format's map (an encode: rounded to nearest, from float32 or bfloat16
 values) while the backends pick the C kernel; any other call keeps the formats' torch ops.
+
+They are also the CPU kernels of ``qstate::encode_into_`` and ``qstate::decode`` (:mod:`qstate._library`),
+which compiled code calls: the arguments are checked as the ops' other kernels check them
+(:func:`qstate._state_codec.check_codec_args`), then as a state (:func:`qstate._state.check_parts`, shapes
+only) before the C kernel sees a buffer; a call the C kernel does not take runs the ops' torch kernels.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from ...._state import QuantizedState
+from ...._library import LIBRARY
+from ...._state import QuantizedState, check_parts
+from ...._state_codec import check_codec_args, decode_rows, encode_rows_into
 from ..backends import backend_for
 from . import kernel as c_kernel
 from ....formats._codec import get_codec
@@ -65,3 +74,48 @@ class CPUStateKernels:
     def decode(self, q: QuantizedState) -> Tensor:
         return c_kernel.decode_once(_spec(q, torch.float32), q)
 
+
+#: the kernels the ops' CPU kernels run (the package registers an instance of its own for the states' writes
+#: and reads, ``cpu/__init__.py``)
+_KERNELS = CPUStateKernels()
+
+
+def _state_of(op: str, codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
+              row_len: int, values: Optional[Tensor] = None) -> QuantizedState:
+    """The 1-D state over these parts, of ``values``' elements (else all the rows'), checked (shapes, dtypes,
+    devices) as the ops' arguments and as a state."""
+    check_codec_args(op, codes, scale, qmap, format, signed, block_size, row_len, values)
+    numel = codes.shape[0] * row_len if values is None else values.numel()
+    dtype = torch.float32 if values is None else values.dtype
+    check_parts(codes, scale, qmap, format=format, signed=signed, block_size=block_size, row_len=row_len,
+                shape=(numel,), dtype=dtype, rounding="nearest", values=False)
+    return QuantizedState(codes, scale, qmap, format=format, signed=signed, block_size=block_size, row_len=row_len,
+                          shape=(numel,), dtype=dtype)
+
+
+def _whole(q: QuantizedState) -> bool:
+    """Whether ``q``'s parts are contiguous, as the C kernel takes them (views of other layouts run the torch ops)."""
+    return q.codes.is_contiguous() and q.scale.is_contiguous()
+
+
+def _encode_into_cpu(codes: Tensor, scale: Tensor, values: Tensor, qmap, format: str, signed: bool, block_size: int,
+                     row_len: int) -> None:
+    """``qstate::encode_into_`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
+    q = _state_of("qstate::encode_into_", codes, scale, qmap, format, signed, block_size, row_len, values)
+    if _whole(q) and q.rows * q.row_len == values.numel() and _KERNELS.encodes(q, values):
+        _KERNELS.encode_into(q, values)
+    else:
+        encode_rows_into(codes, scale, values, qmap, format, signed, block_size, row_len)
+
+
+def _decode_cpu(codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
+                row_len: int) -> Tensor:
+    """``qstate::decode`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
+    q = _state_of("qstate::decode", codes, scale, qmap, format, signed, block_size, row_len)
+    if _whole(q) and _KERNELS.decodes(q):
+        return _KERNELS.decode(q)
+    return decode_rows(codes, scale, qmap, format, signed, block_size, row_len)
+
+
+LIBRARY.impl("encode_into_", _encode_into_cpu, "CPU")
+LIBRARY.impl("decode", _decode_cpu, "CPU")
