@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...._library import LIBRARY
 from ...._state import QuantizedState, check_parts
 from ...._state_codec import check_codec_args, decode_rows, encode_rows_into
 from ..backends import backend_for
@@ -29,7 +28,7 @@ from ....formats._codec import get_codec
 from ...rules import StateSpec, UpdateRule, register_rule
 from ..spec import KernelSpec, StateKind
 
-__all__ = ["WRITE", "CPUStateKernels"]
+__all__ = ["WRITE", "KERNELS", "CPUStateKernels", "decode_cpu", "encode_into_cpu"]
 
 
 def _write(p: Tensor, g: Tensor, states: list, h: dict, flags: dict) -> tuple[Tensor, list[Tensor]]:
@@ -75,9 +74,9 @@ class CPUStateKernels:
         return c_kernel.decode_once(_spec(q, torch.float32), q)
 
 
-#: the kernels the ops' CPU kernels run (the package registers an instance of its own for the states' writes
-#: and reads, ``cpu/__init__.py``)
-_KERNELS = CPUStateKernels()
+#: the C kernel's encode and decode of CPU states: the states' (``register_state_kernels``) and the ops' CPU
+#: kernels' (:func:`encode_into_cpu`, :func:`decode_cpu`), registered by ``cpu/__init__.py``
+KERNELS = CPUStateKernels()
 
 
 def _state_of(op: str, codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
@@ -98,24 +97,20 @@ def _whole(q: QuantizedState) -> bool:
     return q.codes.is_contiguous() and q.scale.is_contiguous()
 
 
-def _encode_into_cpu(codes: Tensor, scale: Tensor, values: Tensor, qmap, format: str, signed: bool, block_size: int,
+def encode_into_cpu(codes: Tensor, scale: Tensor, values: Tensor, qmap, format: str, signed: bool, block_size: int,
                      row_len: int) -> None:
     """``qstate::encode_into_`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
     q = _state_of("qstate::encode_into_", codes, scale, qmap, format, signed, block_size, row_len, values)
-    if _whole(q) and q.rows * q.row_len == values.numel() and _KERNELS.encodes(q, values):
-        _KERNELS.encode_into(q, values)
+    if _whole(q) and q.rows * q.row_len == values.numel() and KERNELS.encodes(q, values):
+        KERNELS.encode_into(q, values)
     else:
         encode_rows_into(codes, scale, values, qmap, format, signed, block_size, row_len)
 
 
-def _decode_cpu(codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
+def decode_cpu(codes: Tensor, scale: Tensor, qmap, format: str, signed: bool, block_size: int,
                 row_len: int) -> Tensor:
     """``qstate::decode`` on CPU: the C kernel where it takes the call, else the formats' torch ops."""
     q = _state_of("qstate::decode", codes, scale, qmap, format, signed, block_size, row_len)
-    if _whole(q) and _KERNELS.decodes(q):
-        return _KERNELS.decode(q)
+    if _whole(q) and KERNELS.decodes(q):
+        return KERNELS.decode(q)
     return decode_rows(codes, scale, qmap, format, signed, block_size, row_len)
-
-
-LIBRARY.impl("encode_into_", _encode_into_cpu, "CPU")
-LIBRARY.impl("decode", _decode_cpu, "CPU")
