@@ -8,7 +8,7 @@ torch.optim's implementation arguments (``fused``, ``foreach``, ``capturable``,
 ``differentiable``; Adam, AdamW and SGD take exactly their namesake's, Lion and
 AdEMAMix all four) are stored in the param groups as torch stores them, and
 ``fused``/``foreach`` choose each group's update path as they choose torch's
-(:func:`update_path`): the same math on three paths, as torch's fused, foreach
+(:func:`qstate.optim._engine.path.group_path`): the same math on three paths, as torch's fused, foreach
 and for-loop implementations are one algorithm:
 
 ==============  ================  =================  =================================
@@ -42,8 +42,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["FOREACH", "FOR_LOOP", "FUSED", "IMPLEMENTATION_OPTIONS", "LR", "check_betas", "check_implementation",
-           "check_lr", "check_non_negative", "check_path", "update_path"]
+__all__ = ["IMPLEMENTATION_OPTIONS", "LR", "check_betas", "check_implementation",
+           "check_lr", "check_non_negative", "check_path"]
 
 #: ``lr``: a Python float or a one-element tensor
 LR = Union[float, Tensor]
@@ -89,8 +89,7 @@ _IMPLEMENTATION = {
 #: the names of torch.optim's implementation arguments
 IMPLEMENTATION_OPTIONS = tuple(_IMPLEMENTATION)
 
-#: the update paths (:func:`update_path`)
-FUSED, FOREACH, FOR_LOOP = "fused", "foreach", "for-loop"
+#: the update paths (:func:`qstate.optim._engine.path.group_path`)
 
 
 def check_implementation(name: str, group: dict) -> None:
@@ -105,18 +104,6 @@ def check_implementation(name: str, group: dict) -> None:
         if arg in group and not ((value is None or isinstance(value, bool)) and value in accepted):
             expected = " or ".join(filter(None, [", ".join(map(repr, accepted[:-1])), repr(accepted[-1])]))
             raise ValueError(f"{name}: {arg} must be {expected}, got {group[arg]!r}{why}")
-
-
-def update_path(group: dict, compile: bool) -> str:
-    """The update path (:data:`FUSED`, :data:`FOREACH` or :data:`FOR_LOOP`) of a ``group`` that
-    passed :func:`check_implementation` and :func:`check_path`, in an optimizer with ``compile``:
-    ``foreach=True`` is foreach, ``fused=False`` for-loop, anything else fused (qstate's default)
-    when ``compile``, else for-loop (the module's table)."""
-    if group.get("foreach") is True:
-        return FOREACH
-    if group.get("fused") is False or not compile:
-        return FOR_LOOP
-    return FUSED
 
 
 def check_path(name: str, group: dict, compile: bool) -> None:

@@ -6,7 +6,7 @@ group's update (``_prepare_group``: checks, nothing written; ``run()`` writes) a
 hyperparameters (``_check_group``); it assumes no elementwise rule (Muon is one). A
 :class:`QuantizedOptimizer` subclass names its :class:`~qstate.optim.rules.UpdateRule` and the rule's
 static flags (``rule_flags``); a group's update is the engine's ``prepare_update`` of the rule, on the
-path the group's ``fused``/``foreach`` choose (:func:`~._arguments.update_path`).
+path the group's ``fused``/``foreach`` choose (:func:`~._engine.path.group_path`).
 
 Invariants: the policy (:class:`~._policy.StatePolicy`) alone decides each state's kind, and nothing
 else changes a format; a step checks everything before its first write and advances a group's step
@@ -30,16 +30,17 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .._api import zeros_like as q_zeros_like
-from .._dtensor import is_dtensor, local_of, state_kind
+from .._dtensor import is_dtensor, local_of, state_kind, rounds_stochastically as rounds_state_stochastically
 from .._state import QuantizedState, quantized_kind
 from ..amp import found_non_finite
 from ..distributed import wants_quantized
 from ..formats import get_format
 from ..formats.map_formats import legacy_map_name
 from ._engine import step as _step
-from ._arguments import FOREACH, FUSED, check_path, update_path
-from ._policy import (PLAIN_FORMATS, POLICY_OPTIONS, StatePolicy, check_group_options, rounds_states_stochastically,
-                      rounds_stochastically, state_rounding)
+from ._arguments import check_path
+from ._engine.path import Path, group_path
+from ._policy import (PLAIN_FORMATS, POLICY_OPTIONS, StatePolicy, check_group_options, rounds_stochastically,
+                      state_rounding)
 from ._report import LOGGER, StateNbytes, count_nbytes, policy_summary, warn_at_caller, weak_combination
 from .rules import StateSpec, UpdateRule
 from ._engine.spec import StateKind
@@ -150,7 +151,7 @@ class PolicyOptimizer(torch.optim.Optimizer):
       ``capturable``, ``differentiable``) are param-group entries as in torch
       (checked by the subclasses: only the values qstate honours); ``fused`` and
       ``foreach`` choose each group's path at every step as they choose torch's
-      (:func:`~._arguments.update_path`: fused, foreach or for-loop). Step counts stay
+      (:func:`~._engine.path.group_path`: fused, foreach or for-loop). Step counts stay
       CPU tensors after loading a checkpoint whose groups say ``fused=True`` (where
       torch would move them to the parameter's device).
     * **state_dict**: copies of the states (:meth:`_states_as_copies`), quantized ones
@@ -577,7 +578,6 @@ class PolicyOptimizer(torch.optim.Optimizer):
             params, states, steps = [], [], []
             new: dict[Tensor, dict] = {}
             names = [s.name for s in self._state_specs(group)]
-            states_sr = rounds_states_stochastically(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -588,7 +588,8 @@ class PolicyOptimizer(torch.optim.Optimizer):
                 params.append(p)
                 states.append([state[n] for n in names])
                 steps.append(state["step"])
-                if (group["bf16_stochastic_round"] and p.dtype == torch.bfloat16) or states_sr:
+                if (group["bf16_stochastic_round"] and p.dtype == torch.bfloat16) \
+                        or any(rounds_state_stochastically(x) for x in states[-1]):
                     # keys come from the CPU generator, a device's own draws from its generator
                     sr_devices.update((p.device, _CPU))
             if not params:
@@ -758,8 +759,8 @@ class QuantizedOptimizer(PolicyOptimizer):
 
     def _prepare_group(self, group: dict, params: list[Tensor], states: list[list[Tensor]], steps: list[Tensor],
                        grad_scale: Optional[Tensor], indices: list[int]) -> _step.PendingUpdate:
-        path = update_path(group, self.compile)
+        path = group_path(group, self.compile)
         return _step.prepare_update(self.rule, self.rule_flags(group), params, [p.grad for p in params], states,
-                                    steps, group, lr=group["lr"], compile=path == FUSED, foreach=path == FOREACH,
+                                    steps, group, lr=group["lr"], compile=path is Path.FUSED, foreach=path is Path.EAGER,
                                     stochastic_round=group["bf16_stochastic_round"], grad_scale=grad_scale,
                                     owner=type(self).__name__, indices=indices)

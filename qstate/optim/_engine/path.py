@@ -1,5 +1,6 @@
 """How a parameter's update runs: the engine's path, chosen here and nowhere else.
 
+:func:`group_path` maps a param group's torch.optim ``fused``/``foreach`` to the path it asks for;
 :func:`choose_path` decides per parameter, in the step, the same on every rank (a DTensor's
 sizes are global): the rule's math op by op outside the op, or the op ``qstate::fused_update``
 with its eager variant (the math op by op inside one call) or its fused variant. Inside the
@@ -22,7 +23,7 @@ from ..._state import QuantizedState
 from .backends import GENERATION, FusedBackend, backend_for, default_backend
 from .spec import KernelSpec, fusable
 
-__all__ = ["SMALL_PLAIN_NUMEL", "Path", "ShardKernel", "choose_path", "choose_kernel"]
+__all__ = ["SMALL_PLAIN_NUMEL", "Path", "ShardKernel", "group_path", "choose_path", "choose_kernel"]
 
 
 class Path(enum.Enum):
@@ -38,6 +39,18 @@ class Path(enum.Enum):
 SMALL_PLAIN_NUMEL = 65536
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def group_path(group: dict, compile: bool) -> Path:
+    """The path a param group's ``fused``/``foreach`` ask for, as they choose torch.optim's, in an optimizer
+    with ``compile`` (the table of :mod:`qstate.optim._arguments`): ``foreach=True`` the eager variant,
+    ``fused=False`` or ``compile=False`` op by op, anything else the fused variant. :func:`choose_path`
+    then decides each parameter's."""
+    if group.get("foreach") is True:
+        return Path.EAGER
+    if group.get("fused") is False or not compile:
+        return Path.OP_BY_OP
+    return Path.FUSED
 
 
 def choose_path(rule: str, flags: tuple, p: Tensor, g: Tensor, states: Sequence[Tensor], stochastic_round: bool,
