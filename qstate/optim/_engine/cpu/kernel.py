@@ -490,11 +490,19 @@ def run_prepared(calls: Sequence[PreparedCall], params: Sequence[Tensor], grads:
 
 
 class CKernel:
-    """The C kernel as the CPU's fused backend (:mod:`..backends`), named ``"c"``."""
+    """The C kernel as the CPU's fused backend (:mod:`..backends`), named ``"c"``: this module's
+    :func:`supports` and :func:`run`."""
 
     name = "c"
-    supports = staticmethod(supports)
-    run = staticmethod(run)
+
+    @staticmethod
+    def supports(spec, grad_dtype: torch.dtype) -> bool:
+        return supports(spec, grad_dtype)
+
+    @staticmethod
+    def run(spec, p: Tensor, g: Tensor, states: Sequence[Tensor], hyper: Union[Tensor, Sequence[float]],
+            key: Optional[int] = None, start: int = 0) -> None:
+        run(spec, p, g, states, hyper, key, start)
 
 
 C_KERNEL = CKernel()
