@@ -20,12 +20,15 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DISPATCH_TABLE", "register", "dispatch", "registered_ops"]
+__all__ = ["DISPATCH_TABLE", "DISPATCH_BY_NAME", "register", "register_by_name", "dispatch", "registered_ops"]
 
 Handler = Callable[[OpOverload, tuple, dict], Any]
 
 #: op overload -> handler(func, args, kwargs)
 DISPATCH_TABLE: dict[OpOverload, Handler] = {}
+#: overload name (``OpOverload.name()``, e.g. ``"prims::fma"``) -> handler, for ops that exist only once
+#: another module defines them (inductor's prims, which ``torch.compile`` emits): asked after the table
+DISPATCH_BY_NAME: dict[str, Handler] = {}
 
 
 def register(*ops: OpOverload) -> Callable[[Handler], Handler]:
@@ -41,9 +44,23 @@ def register(*ops: OpOverload) -> Callable[[Handler], Handler]:
     return deco
 
 
+def register_by_name(*names: str) -> Callable[[Handler], Handler]:
+    """Decorator: make the function the handler of the overloads named ``names`` (``OpOverload.name()``),
+    whenever their op comes to exist."""
+
+    def deco(fn: Handler) -> Handler:
+        for name in names:
+            if name in DISPATCH_BY_NAME:
+                raise RuntimeError(f"{name} already has a QuantizedState handler ({DISPATCH_BY_NAME[name].__name__})")
+            DISPATCH_BY_NAME[name] = fn
+        return fn
+
+    return deco
+
+
 def registered_ops() -> list[str]:
     """Names of all ops a QuantizedState handles, sorted."""
-    return sorted(str(op) for op in DISPATCH_TABLE)
+    return sorted([str(op) for op in DISPATCH_TABLE] + list(DISPATCH_BY_NAME))
 
 
 def _type_names(args: tuple, kwargs: dict) -> str:
@@ -53,6 +70,8 @@ def _type_names(args: tuple, kwargs: dict) -> str:
 
 def dispatch(func: OpOverload, types: tuple, args: tuple, kwargs: dict) -> Any:
     handler = DISPATCH_TABLE.get(func)
+    if handler is None:
+        handler = DISPATCH_BY_NAME.get(func.name())
     if handler is None:
         raise NotImplementedError(
             f"QuantizedState does not support {func} (tensor arguments: {_type_names(args, kwargs)}); "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._state import QuantizedState
-from .._op_table import register
+from .._op_table import register, register_by_name
 from ._util import aten, dequantize_args
 from .copy import copy_into_state
 
@@ -40,7 +40,13 @@ INPLACE_OPS = [
 ]
 
 
+#: read ops named, for ops defined only once another module loads: inductor's fused multiply-add, which
+#: ``torch.compile`` emits for ``addcmul_``/``add_`` with a value (``fma(a, b, c) = a * b + c``)
+NAMED_READ_OPS = ["prims::fma"]
+
+
 # optimizers reading moments (exp_avg.mul(beta), exp_avg_sq.sqrt(), ...) and tests
+@register_by_name(*NAMED_READ_OPS)
 @register(*READ_OPS, *MATMUL_OPS)
 def _read(func, args, kwargs):
     return func(*dequantize_args(args), **dequantize_args(kwargs))

@@ -128,3 +128,30 @@ def test_bad_arguments_raise_before_any_write() -> None:
     }
     with pytest.raises(ValueError, match="qstate::decode: codes"):
         decode(codes[:, :50], scale, qmap, "8bit", True, 64, 100)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])
+def test_compiled_addcmul_with_a_value_on_a_state_runs_as_eager(fmt):
+    # dynamo writes ``v.addcmul_(g, g, value=c)`` as inductor's ``prims.fma(g * g, c, v)`` then ``copy_``: an op
+    # that exists only once inductor loads, handled by name; the result is eager's up to the fused
+    # multiply-add's rounding, which moves a code by at most one step
+    gen = torch.Generator().manual_seed(0)
+    values, g = torch.rand(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    compiled_v = qstate.quantize(values, fmt, signed=False)
+    eager_v = qstate.quantize(values, fmt, signed=False)
+
+    @torch.compile(fullgraph=True)
+    def update(v, g):
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+
+    update(compiled_v, g)
+    eager_v.mul_(0.999).addcmul_(g, g, value=0.001)
+    assert type(compiled_v) is qstate.QuantizedState and compiled_v.format == fmt
+    f = get_format(fmt)
+
+    def error_bound(q):  # the format's worst-case encode error of each element of q
+        per_element = q.scale.repeat_interleave(q.block_size, dim=1)[:, :q.row_len].reshape(q.shape)
+        return f.max_abs_error(q.dequantize(), per_element, False)
+
+    bound = error_bound(compiled_v) + error_bound(eager_v) + 1e-6
+    assert ((compiled_v.dequantize() - eager_v.dequantize()).abs() <= bound).all()
