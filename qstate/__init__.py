@@ -1,7 +1,7 @@
 """qstate: quantized optimizer state that DTensor and FSDP2 run natively.
 
-Public API: :class:`QuantizedState`, :func:`quantize`, :func:`zeros_like`,
-``QuantizedState.dequantize()``, :func:`dequantize`, :func:`update_states`
+Public API: :class:`QuantizedState` (its views along dims other than 0: :class:`QuantizedStateView`),
+:func:`quantize`, :func:`zeros_like`, ``QuantizedState.dequantize()``, :func:`dequantize`, :func:`update_states`
 (op-by-op updates with one encode per state), ``QuantizedState.storage_nbytes()``, the
 format registry :mod:`qstate.formats`, the op table :mod:`qstate.ops` and the
 DTensor sharding rules :mod:`qstate.dtensor_rules`. Optimizers live in
@@ -26,11 +26,12 @@ from . import formats
 from ._api import dequantize, quantize, row_layout, zeros_like
 from .distributed import DEFAULT_MIN_QUANTIZE_NUMEL, state_like, wants_quantized
 from ._state import QuantizedState, _rebuild_quantized_state
+from ._state_view import QuantizedStateView
 from ._update_states import update_states
 from . import ops  # noqa: F401  (fills the dispatch table)
 from . import dtensor_rules
 
-__all__ = ["QuantizedState", "quantize", "dequantize", "update_states", "zeros_like", "state_like", "wants_quantized",
+__all__ = ["QuantizedState", "QuantizedStateView", "quantize", "dequantize", "update_states", "zeros_like", "state_like", "wants_quantized",
            "DEFAULT_MIN_QUANTIZE_NUMEL", "row_layout", "formats", "ops", "dtensor_rules", "SAFE_GLOBALS"]
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ from ._library import encode_into_
 from ._state_codec import rows_of
 from ._state_kernels import kernels_for, traced_codec
 from ._state import APPEARANCE_DTYPES, QuantizedState
+from ._state_view import QuantizedStateView
 from .formats import BlockFormat, get_format
 
 __all__ = ["quantize", "dequantize", "zeros_like", "row_layout", "encode_into", "encode_like", "zero_parts", "check_nonnegative"]
@@ -194,14 +195,14 @@ def _check_placements(x: Tensor, what: str) -> None:
 def dequantize(x: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``x``'s values as a plain tensor of ``dtype`` (default: ``x``'s appearance dtype).
 
-    A :class:`QuantizedState` gives :meth:`~QuantizedState.dequantize`; a DTensor over one, the DTensor
+    A :class:`QuantizedState` or :class:`QuantizedStateView` gives its ``dequantize()``; a DTensor over one, the DTensor
     of the same mesh, placements and shape over each shard's values (no communication); any other
     tensor (plain, or a DTensor of plain shards) is returned as it is, cast where ``dtype`` differs.
     (``x.float()`` of a state is the state itself: torch sees a float32 tensor.)
     """
-    if is_dtensor(x) and isinstance(shard_of(x), QuantizedState):
+    if is_dtensor(x) and isinstance(shard_of(x), (QuantizedState, QuantizedStateView)):
         return wrap_local_state(_map_local(x.to_local(), lambda t: t.dequantize(dtype)), x)
-    if isinstance(x, QuantizedState):
+    if isinstance(x, (QuantizedState, QuantizedStateView)):
         return x.dequantize(dtype)
     return x if dtype is None or x.dtype == dtype else x.to(dtype)
 

@@ -221,7 +221,14 @@ class QuantizedState(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if VIEW_TYPES and any(issubclass(t, VIEW_TYPES[0]) for t in types):
+            return NotImplemented  # a view's rule runs first: it hands this op the view's values
         return dispatch(func, types, args, kwargs or {})
+
+
+#: the type of a state's strided views (:class:`~qstate.QuantizedStateView`, which adds itself): when an
+#: op has both a state and a view among its arguments, the view's rule runs first
+VIEW_TYPES: list[type] = []
 
 
 def quantized_kind(format: str, signed: bool, block_size: int, rounding: str) -> str:

@@ -23,6 +23,11 @@ def check_same_kind(what: str, a: QuantizedState, b: QuantizedState) -> None:
         raise ValueError(f"{what}: expected a state of kind [{a.describe()}], got [{b.describe()}]")
 
 
+def is_dim0(dim: int, q: QuantizedState) -> bool:
+    """Whether ``dim`` (negative counts from the end) is dim 0 of ``q``."""
+    return (dim + max(q.dim(), 1) if dim < 0 else dim) == 0
+
+
 def norm_dim(dim: int, ndim: int, what: str, q: QuantizedState) -> int:
     d = dim + max(ndim, 1) if dim < 0 else dim
     if d != 0:

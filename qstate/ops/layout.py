@@ -2,7 +2,9 @@
 
 Every handler moves whole rows (or, in a 1-D state of one row, whole blocks)
 of ``codes``/``scale``; none requantizes. An op that would split a block
-raises instead of silently requantizing.
+along dim 0 raises instead of silently requantizing. Views along other dims
+(``t``, ``select``, slicing along dim >= 1, ...) are
+:class:`~qstate.QuantizedStateView` objects over the state.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .._api import zero_parts
 from .._state import QuantizedState
+from .._state_view import view_of_state
 from .._op_table import register
-from ._util import aten, check_same_kind, norm_dim
+from ._util import aten, check_same_kind, is_dim0, norm_dim
 
 
 def _infer_shape(size: Sequence[int], numel: int) -> tuple[int, ...]:
@@ -101,16 +104,39 @@ def _bounds(q: QuantizedState, start: Optional[int], end: Optional[int]) -> tupl
     return min(max(start, 0), n), min(max(end, 0), n)
 
 
+# DTensor unpad (narrow; torch 2.13 sends it to the subclass whole), user narrowing
+@register(aten.narrow.default)
+def _narrow(func, args, kwargs):
+    q, dim, start, length = args
+    if not is_dim0(dim, q):
+        return view_of_state(q, func, args, kwargs)
+    start = start + q.shape[0] if start < 0 else start
+    return return_and_correct_aliasing(func, args, kwargs, slice_state(q, start, start + length))
+
+
 # DTensor unpad (narrow), FSDP2/DTensor uneven chunks, user slicing along dim 0
 @register(aten.slice.Tensor)
 def _slice(func, args, kwargs):
     q, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1:])[:5]
     dim, start, end, step = kwargs.get("dim", dim), kwargs.get("start", start), kwargs.get("end", end), kwargs.get("step", step)
-    norm_dim(dim, q.dim(), "slice", q)
-    if step != 1:
-        raise NotImplementedError(f"slice: step must be 1, got {step} [{q.describe()}]")
+    if not is_dim0(dim, q) or step != 1:
+        return view_of_state(q, func, args, kwargs)
     out = slice_state(q, *_bounds(q, start, end))
     return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+#: views no row-blocked state can hold: a QuantizedStateView over the state
+STRIDED_VIEW_OPS = [
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.select.int, aten.diagonal.default,
+    aten.expand.default, aten.as_strided.default, aten.unfold.default, aten.unbind.int, aten.unsqueeze.default,
+    aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+]
+
+
+# Shampoo/SOAP/Muon-style reads of a moment (m.t() @ x, m[:, :k], m.select(1, j)); DTensor's Shard(1)
+@register(*STRIDED_VIEW_OPS)
+def _strided_view(func, args, kwargs):
+    return view_of_state(args[0], func, args, kwargs)
 
 
 def _split_points(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -126,7 +152,8 @@ def _split_points(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
 def _split(func, args, kwargs):
     q, how = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    norm_dim(dim, q.dim(), "split", q)
+    if not is_dim0(dim, q):
+        return view_of_state(q, func, args, kwargs)
     n = q.shape[0]
     sizes = list(how) if isinstance(how, (list, tuple)) else [min(how, n - i) for i in range(0, n, how)] or [0]
     if sum(sizes) != n:
@@ -140,7 +167,8 @@ def _split(func, args, kwargs):
 def _chunk(func, args, kwargs):
     q, chunks = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    norm_dim(dim, q.dim(), "chunk", q)
+    if not is_dim0(dim, q):
+        return view_of_state(q, func, args, kwargs)
     sizes = [c.shape[0] for c in torch.empty(q.shape[0], 0).chunk(chunks)]  # torch.chunk's sizes
     outs = [slice_state(q, a, b) for a, b in _split_points(q.shape[0], sizes)]
     return return_and_correct_aliasing(func, args, kwargs, outs)

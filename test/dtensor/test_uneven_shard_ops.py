@@ -1,7 +1,8 @@
 """Every family of ops on a DTensor over a quantized state with uneven shards (129 rows on 2 gloo ranks,
 193 on 3), against the same op on a plain DTensor of the state's values: each op gives those values (a
-read), the requantized values (an in-place op), or raises on every rank; none leaves a rank waiting in
-a collective (the process group's timeout turns a wait into a failure that names the op)."""
+read), the requantized values (an in-place op, through the state or a view of it), or raises on every
+rank where DTensor raises for the plain values too; none leaves a rank waiting in a collective (the
+process group's timeout turns a wait into a failure that names the op)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ WRITES = {
     "clamp_min_": lambda t, x: t.clamp_min_(0),
     "neg_": lambda t, x: t.neg_(),
     "zero_": lambda t, x: t.zero_(),
+    "t().mul_": lambda t, x: t.t().mul_(0.5),
+    "slice(1).add_": lambda t, x: t[:, 1:5].add_(x[:, 1:5]),
+    "select(1).copy_": lambda t, x: t.select(1, 7).copy_(x.select(1, 7)),
+    "transpose.lerp_": lambda t, x: t.transpose(0, 1).lerp_(x.transpose(0, 1), 0.1),
 }
 
 
@@ -65,11 +70,11 @@ def _outcome(fn):
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor result's full values as a plain tensor (a state's dequantized)."""
+    """A DTensor result's full values as a plain tensor (a state's or a view's dequantized)."""
     import qstate
 
     full = t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
-    return qstate.dequantize(full) if isinstance(full, qstate.QuantizedState) else full
+    return qstate.dequantize(full)
 
 
 def sweep_body(rank: int, world_size: int, fmt: str) -> None:
@@ -100,13 +105,14 @@ def sweep_body(rank: int, world_size: int, fmt: str) -> None:
         kinds = [None] * world_size
         dist.all_gather_object(kinds, got[0])  # every rank got past the op (or the timeout fired)
         assert len(set(kinds)) == 1, f"{name}: outcomes differ across ranks: {kinds} ({got[1]})"
-        if got[0] == "raise":
+        want = _outcome(lambda: _values(plain) if op(plain, x) is not None and in_place else _values(op(plain, x)))
+        if got[0] == "raise":  # only where DTensor raises for plain values too
+            assert want[0] == "raise", f"{name}: the plain DTensor's op runs, the state's raises: {got[1]}"
             report.append((name, got[1]))
             continue
-        want = _outcome(lambda: _values(op(plain, x)))
         assert want[0] == "ok", f"{name}: the state's op runs, the plain DTensor's raises: {want[1]}"
         if in_place:
-            assert torch.equal(got[1], qstate.quantize(_values(plain), fmt).dequantize()), name
+            assert torch.equal(got[1], qstate.quantize(want[1], fmt).dequantize()), name
         else:
             assert type(got[1]) is torch.Tensor, f"{name}: a read returned {type(got[1]).__name__}"
             torch.testing.assert_close(got[1], want[1], msg=name)

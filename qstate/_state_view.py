@@ -1,0 +1,214 @@
+"""``QuantizedStateView``: a view of a :class:`~qstate.QuantizedState` that is not a state itself.
+
+A state is stored as rows of blocks (:mod:`qstate._state`), so a view along dim 0 at row boundaries
+is a state. Every other view (``t``, ``transpose``, ``permute``, ``select``, slicing along dim >= 1
+or with a step, ``diagonal``, ``expand``, ``unfold``, ``as_strided``) is a ``QuantizedStateView``:
+the state it views (``base``) and torch's size, stride and storage offset over ``base``'s elements
+in row-major order.
+
+Storage rules:
+
+* It holds no codes of its own: it aliases ``base``, and a view of it is a view of ``base``.
+* An op that reads it gets its values as a plain tensor of the same strides, decoded from the rows
+  of ``base`` it lies in (and only those): reads return plain tensors, as they do on a state.
+* An in-place op on it decodes those rows, applies the op through the same strides, and encodes
+  back into ``base`` only the blocks whose values changed, in ``base``'s format, block size and
+  rounding: one requantize per write, as on the state itself; no other block changes.
+* ``clone`` copies the rows it lies in and views the copy: the same values, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map, tree_flatten
+
+from ._state import VIEW_TYPES, QuantizedState
+
+__all__ = ["QuantizedStateView", "view_of_state"]
+
+
+class QuantizedStateView(Tensor):
+    """A strided view of a :class:`QuantizedState` (``base``): reads decode, in-place ops write back."""
+
+    base: QuantizedState
+
+    @staticmethod
+    def __new__(cls, base: QuantizedState, size: Sequence[int], stride: Sequence[int],
+                storage_offset: int) -> "QuantizedStateView":
+        return Tensor._make_wrapper_subclass(cls, tuple(size), strides=tuple(stride), storage_offset=storage_offset,
+                                             dtype=base.dtype, device=base.device)
+
+    def __init__(self, base: QuantizedState, size: Sequence[int], stride: Sequence[int], storage_offset: int) -> None:
+        self.base = base
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The values as a plain contiguous tensor of ``dtype`` (default: the appearance dtype)."""
+        return _Window.of(self).values.contiguous().to(dtype or self.dtype)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"QuantizedStateView(shape={tuple(self.shape)}, stride={self.stride()}, "
+                f"storage_offset={self.storage_offset()}, base={self.base!r})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        return ["base"], (tuple(self.shape), self.stride(), self.storage_offset())
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, ctx: tuple, outer_size, outer_stride) -> "QuantizedStateView":
+        size, stride, offset = ctx
+        return cls(inner["base"], size, stride, offset)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.is_view:
+            view = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, QuantizedStateView))
+            return _views(view.base, func, args, kwargs, _probe(view.base, view))
+        if func is torch.ops.aten.clone.default:
+            return _Window.of(args[0]).copy()
+        written = {id(x) for x in _written_args(func, args, kwargs) if isinstance(x, QuantizedStateView)}
+        windows: dict[int, _Window] = {}
+
+        def plain(x: Any) -> Any:
+            if not isinstance(x, QuantizedStateView):
+                return x
+            if id(x) not in windows:
+                windows[id(x)] = _Window.of(x, writes=id(x) in written)
+            return windows[id(x)].values
+
+        out = func(*tree_map(plain, args), **tree_map(plain, kwargs))
+        for key in written:
+            windows[key].write_back()
+        views = {id(windows[id(x)].values): x for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, QuantizedStateView)}
+        return tree_map(lambda t: views.get(id(t), t), out)
+
+
+VIEW_TYPES.append(QuantizedStateView)
+
+
+def _written_args(func, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments ``func`` writes (``Tensor(a!)`` in its schema), flattened."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        written += tree_flatten(value)[0]
+    return written
+
+
+def _probe(base: QuantizedState, x: Tensor) -> Tensor:
+    """A meta tensor with ``x``'s size, stride and offset over ``base``'s elements."""
+    storage = torch.empty(base.numel(), dtype=base.dtype, device="meta")
+    return storage.as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _views(base: QuantizedState, func, args: tuple, kwargs: dict, probe: Tensor) -> Any:
+    """``func`` (a view op) of ``base`` or of a view of it, as views of ``base``: torch computes the
+    sizes and strides on a meta tensor standing in for the viewed tensor."""
+    viewed = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, (QuantizedState, QuantizedStateView)))
+    stand_in = lambda x: probe if x is viewed else x  # noqa: E731
+    out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
+    storage = probe.untyped_storage()._cdata
+
+    def as_view(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if t.untyped_storage()._cdata == storage:
+            return QuantizedStateView(base, t.shape, t.stride(), t.storage_offset())
+        # an op that views or copies (``contiguous``), and copied: a copy of the viewed elements
+        return _Window.of(viewed).copy()
+
+    return tree_map(as_view, out)
+
+
+def view_of_state(q: QuantizedState, func, args: tuple, kwargs: dict) -> Any:
+    """``func`` (a view op) of the state ``q`` as :class:`QuantizedStateView` objects."""
+    return _views(q, func, args, kwargs, _probe(q, q))
+
+
+@dataclass
+class _Window:
+    """The rows of a view's base it lies in (``rows``, a state aliasing them), their decoded values
+    (``flat``), where the view's elements lie in ``flat`` (``size``, ``stride``, ``offset``) and what
+    an op gets for the view (``values``): a strided view of ``flat`` for a read, a copy for a write
+    (written back with ``as_strided_scatter``, which ``torch.compile`` can trace)."""
+
+    rows: QuantizedState
+    flat: Tensor
+    size: tuple
+    stride: tuple
+    offset: int
+    values: Tensor
+
+    @staticmethod
+    def of(view: QuantizedStateView, writes: bool = False) -> "_Window":
+        base = view.base
+        row_len = math.prod(base.shape[1:]) if base.dim() >= 2 else base.row_len
+        size, stride = tuple(view.shape), view.stride()
+        if view.numel() == 0 or base.numel() == 0:
+            first, stop = 0, 0
+        else:
+            last = view.storage_offset() + sum((n - 1) * s for n, s in zip(size, stride))
+            first, stop = view.storage_offset() // row_len, last // row_len + 1
+        rows = _rows(base, first, stop, row_len)
+        flat = rows.dequantize().reshape(-1)
+        offset = view.storage_offset() - first * row_len
+        values = flat.as_strided(size, stride, offset)
+        if writes:
+            _check_no_overlap(view)
+            values = values.clone()
+        return _Window(rows, flat, size, stride, offset, values)
+
+    def write_back(self) -> None:
+        """Encode the blocks of :attr:`rows` whose values changed (NaN for NaN is no change)."""
+        new = torch.as_strided_scatter(self.flat, self.values, self.size, self.stride, self.offset)
+        changed = (new != self.flat) & ~(new.isnan() & self.flat.isnan())
+        q = self.rows
+        fresh = q.clone()
+        fresh.copy_(new.view(q.shape))
+        width, bs, nb = q.row_len, q.block_size, q.scale.shape[1]
+        per_element = torch.zeros(q.rows * width, dtype=torch.bool, device=q.device)
+        per_element[:changed.numel()] = changed
+        padded = torch.zeros(q.rows, nb * bs, dtype=torch.bool, device=q.device)
+        padded[:, :width] = per_element.view(q.rows, width)
+        blocks = padded.view(q.rows, nb, bs).any(-1)
+        code_bytes = blocks.repeat_interleave(bs * q.fmt.bits // 8, dim=1)[:, :q.codes.shape[1]]
+        q.codes.copy_(torch.where(code_bytes, fresh.codes, q.codes))
+        q.scale.copy_(torch.where(blocks, fresh.scale, q.scale))
+
+    def copy(self) -> QuantizedStateView:
+        """A view with the same size and stride over a copy of :attr:`rows`."""
+        return QuantizedStateView(self.rows.clone(), self.size, self.stride, self.offset)
+
+
+def _check_no_overlap(view: QuantizedStateView) -> None:
+    """Raise as torch does for an in-place write into a view where elements share a location (an
+    ``expand``, overlapping ``unfold`` windows): only views that pass the sufficient test of strides
+    sorted ascending, each past the span of the smaller ones, are written."""
+    span = 0
+    for n, s in sorted(((n, s) for n, s in zip(view.shape, view.stride()) if n > 1), key=lambda d: d[1]):
+        if s <= span:
+            raise RuntimeError(
+                "unsupported operation: more than one element of the written-to tensor refers to a single "
+                f"memory location (a view of shape {tuple(view.shape)}, stride {view.stride()} of a state "
+                f"[{view.base.describe()}]); clone it first"
+            )
+        span += (n - 1) * s
+    return None
+
+
+def _rows(base: QuantizedState, first: int, stop: int, row_len: int) -> QuantizedState:
+    """Rows ``[first, stop)`` of ``base`` as a state aliasing its parts."""
+    if (first, stop) == (0, base.rows):
+        return base
+    numel = min(stop * row_len, base.numel()) - first * row_len
+    shape = (stop - first, *base.shape[1:]) if base.dim() >= 2 else (max(numel, 0),)
+    return base.with_parts(base.codes[first:stop], base.scale[first:stop], shape=shape)
