@@ -244,19 +244,38 @@ def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None
     return q.with_parts(torch.cat([f.pack(values), codes]), torch.cat([q.scale, scale]), shape=(numel,))
 
 
-def _pad_dim0_end(op: str, q: QuantizedState, pad: list, value: float, mode: Optional[str] = None) -> QuantizedState:
-    """``q`` padded by ``pad`` (torch's order: last dim first); only zeros at the end of dim 0.
-    ``mode``: ``aten.pad``'s (``constant_pad_nd`` has none)."""
-    ndim = q.dim()
-    want = [0] * (2 * ndim)
-    only_dim0_end = len(pad) == 2 * ndim and pad[:-1] == want[:-1] and pad[-1] >= 0
-    if mode not in (None, "constant") or not only_dim0_end or value != 0:
+def _pad_columns(q: QuantizedState, extra: int) -> QuantizedState:
+    """A 2-D ``q`` with ``extra`` zeros appended to every row (new parts): each block keeps its scale
+    (a zero changes no absmax) and its codes; blocks past the old row end are zeros."""
+    f, rows = q.fmt, q.rows
+    width = q.row_len + extra
+    codes = torch.cat([f.unpack(q.codes, q.row_len),
+                       torch.full((rows, extra), f.zero_code(q.signed), dtype=torch.uint8, device=q.device)], 1)
+    blocks = -(-width // q.block_size)
+    scale = torch.cat([q.scale, torch.zeros((rows, blocks - q.scale.shape[1]), dtype=torch.float32,
+                                            device=q.device)], 1)
+    return q.with_parts(f.pack(codes), scale, shape=(rows, width), row_len=width)
+
+
+def _pad_at_ends(op: str, q: QuantizedState, pad: list, value: float, mode: Optional[str] = None) -> QuantizedState:
+    """``q`` padded by ``pad`` (torch's order: last dim first); only zeros, at the end of dim 0 or (2-D)
+    at the end of dim 1: the padded state holds the same codes. ``mode``: ``aten.pad``'s
+    (``constant_pad_nd`` has none)."""
+    ndim = max(q.dim(), 1)
+    full = list(pad) + [0] * (2 * ndim - len(pad))  # torch's order: (before, after) of the last dim first
+    ends = full[1::2]  # the zeros after each dim, the last dim first
+    padded_dims = [d for d, e in enumerate(reversed(ends)) if e]
+    allowed = {0, 1} if q.dim() == 2 else {0}
+    if (mode not in (None, "constant") or value != 0 or len(full) != 2 * ndim or any(full[0::2])
+            or any(e < 0 for e in ends) or not set(padded_dims) <= allowed):
         shown = "" if mode is None else f", mode={mode!r}"
         raise NotImplementedError(
             f"{op}: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], "
-            f"value=0), got pad={pad}{shown}, value={value} [{q.describe()}]"
+            f"value=0) or, for 2-D states, at the end of dim 1 too, got pad={pad}{shown}, value={value} "
+            f"[{q.describe()}]"
         )
-    return pad_state(q, pad[-1])
+    out = _pad_columns(q, ends[0]) if 1 in padded_dims else q
+    return pad_state(out, ends[-1]) if ends[-1] or out is q else out
 
 
 # DTensor/FSDP2 pad_tensor of uneven shards before all_gather (zeros at the end of dim 0): every rank
@@ -264,7 +283,7 @@ def _pad_dim0_end(op: str, q: QuantizedState, pad: list, value: float, mode: Opt
 @register(aten.constant_pad_nd.default)
 def _constant_pad(func, args, kwargs):
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
-    return _pad_dim0_end("constant_pad_nd", args[0], list(args[1]), value)
+    return _pad_at_ends("constant_pad_nd", args[0], list(args[1]), value)
 
 
 # torch.nn.functional.pad (DTensor's pad_tensor calls it), as it reaches a subclass before decomposing
@@ -272,7 +291,7 @@ def _constant_pad(func, args, kwargs):
 def _pad(func, args, kwargs):
     mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
     value = args[3] if len(args) > 3 else kwargs.get("value", None)
-    return _pad_dim0_end("pad", args[0], list(args[1]), 0 if value is None else value, mode)
+    return _pad_at_ends("pad", args[0], list(args[1]), 0 if value is None else value, mode)
 
 
 # LocalTensor (simulated ranks) and DTensor metadata queries: a state is its own base, offset 0

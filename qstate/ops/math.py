@@ -3,7 +3,9 @@
 Out-of-place math returns **plain** tensors computed on the dequantized values
 (appearance dtype). In-place math on a state computes on its dequantized values
 and requantizes the result into the same layout; in-place math on a plain
-tensor with a state argument reads the state.
+tensor with a state argument reads the state. Beyond the ops listed here, every
+op torch tags ``pointwise`` or ``reduction`` follows the same rules (an ``out=``
+state raises: it would be a conversion).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._state import QuantizedState
-from .._op_table import register, register_by_name
+from .._op_table import register, register_by_name, register_by_tag
 from ._util import aten, dequantize_args
 from .copy import copy_into_state
 
@@ -27,8 +29,9 @@ READ_OPS = [
     aten.clamp_min.default, aten.clamp_max.default, aten.reciprocal.default, aten.gt.Tensor, aten.gt.Scalar,
     aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
 ]
-#: matrix products reading a state (of two dims) -> plain result
-MATMUL_OPS = [aten.mm.default]
+#: matrix products reading a state -> plain result
+MATMUL_OPS = [aten.mm.default, aten.mv.default, aten.dot.default, aten.bmm.default, aten.addmm.default,
+              aten.addmv.default, aten.baddbmm.default, aten.addbmm.default]
 
 #: in-place ops; on a state they requantize into its layout
 INPLACE_OPS = [
@@ -36,7 +39,7 @@ INPLACE_OPS = [
     aten.div_.Tensor, aten.div_.Scalar, aten.lerp_.Scalar, aten.lerp_.Tensor, aten.addcmul_.default,
     aten.addcdiv_.default, aten.sqrt_.default, aten.clamp_.default, aten.fill_.Scalar, aten.maximum.out,
     aten.neg_.default, aten.abs_.default, aten.sign_.default, aten.reciprocal_.default, aten.clamp_min_.default,
-    aten.clamp_max_.default, aten.pow_.Scalar,
+    aten.clamp_max_.default, aten.pow_.Scalar, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
 ]
 
 
@@ -66,3 +69,20 @@ def _inplace(func, args, kwargs):
         result = func(*rest[0], **{**rest[1], "out": values})
     copy_into_state(target, result)
     return target
+
+
+# the rest of torch's elementwise math and reductions (exp, tanh, std, var, max(dim), argmax, ...)
+@register_by_tag(torch.Tag.pointwise, torch.Tag.reduction)
+def _family(func, args, kwargs):
+    if torch.Tag.inplace in func.tags:
+        return _inplace(func, args, kwargs)
+    for out in _outs(func, args, kwargs):
+        if isinstance(out, QuantizedState):
+            raise NotImplementedError(f"{func}: out= takes plain tensors, got a state [{out.describe()}]; compute "
+                                      "into a plain tensor and copy_ it into the state (one requantize)")
+    return _read(func, args, kwargs)
+
+
+def _outs(func, args, kwargs) -> list:
+    """The ``out=`` arguments of ``func``'s call."""
+    return [kwargs.get(a.name) for a in func._schema.arguments if a.kwarg_only and a.is_out]

@@ -97,8 +97,8 @@ ValueError: copy_ into a state [4bit unsigned block_size=128 dtype=torch.float32
             """NotImplementedError: view: shape [3, 20] would move rows of a state stored as 6 rows of 10 (new dim 0 must equal 6, or be 1-D) [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
         )
         self.assertExpectedInline(
-            _err(lambda: torch.nn.functional.pad(m, [0, 1])),
-            """NotImplementedError: constant_pad_nd: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], value=0), got pad=[0, 1], value=0.0 [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
+            _err(lambda: torch.nn.functional.pad(m, [1, 0])),
+            """NotImplementedError: constant_pad_nd: a QuantizedState pads only zeros at the end of dim 0 (pad=[0, ..., 0, k], value=0) or, for 2-D states, at the end of dim 1 too, got pad=[1, 0], value=0.0 [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
         )
 
     def test_unknown_op_names_op_and_types(self):
