@@ -20,7 +20,6 @@ and the C kernel's bit for bit, stochastic draws included (:func:`qstate._random
 
 from __future__ import annotations
 
-import math
 import threading
 import types
 from typing import Callable, Optional, Sequence, Union
@@ -29,13 +28,12 @@ import torch
 from torch import Tensor
 
 from ..._random import MASK64, as_int64, param_key, position_draws, position_hash32, state_key
-from ..._state import QuantizedState
 from ...formats import block_absmax, get_format
 from .backends import register_backend
 from ...formats._codec import Codec, get_codec
 from .prepared import PreparedUpdate
 from ..rules import RULES, UpdateRule
-from .spec import KernelSpec, StateKind, block_unit
+from .spec import KernelSpec, block_unit
 from .param_rounding import store_param
 
 __all__ = ["INDUCTOR", "PreparedKernelCall", "get_kernel", "kernel_specs", "run_compiled"]

@@ -28,8 +28,7 @@ import torch
 from torch import Tensor
 
 from ... import _random
-from ..._dtensor import is_dtensor, is_quantized_state, rounds_stochastically
-from ..._state import QuantizedState
+from ..._dtensor import is_dtensor, rounds_stochastically
 from ...dtensor_rules._fused_ops import LayoutMismatch, flat_starts, update_mismatch
 from .op import UpdateVariant, fused_update
 from .path import Path, choose_path
@@ -57,10 +56,14 @@ class _Scalars:
     def __init__(self, rule: UpdateRule, group: dict, lr: Scalar, grad_unscale: Scalar = 1.0):
         self.rule, self.group = rule, group
         self.given = {"lr": lr, "grad_unscale": grad_unscale}
-        self._tensors = any(isinstance(v, Tensor) for v in self.given.values())
+        self._tensors = bool(self.tensor_names())
         self._floats: dict[int, dict] = {}
         self._on: dict[tuple, Tensor] = {}
         self._hyper: dict[tuple, Tensor] = {}
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The names of ``lr`` and ``grad_unscale`` where given as tensors."""
+        return tuple(n for n in self._CALLER if isinstance(self.given[n], Tensor))
 
     def given_on(self, name: str, device: torch.device) -> Scalar:
         """``lr`` / ``grad_unscale`` as given (a float) or as a float32 tensor on ``device``."""
@@ -318,7 +321,7 @@ class _Batch:
                  mesh=None):
         self.step, self.sr, self.mesh = step, sr, mesh
         hyper = scalars.hyper(step, device, eager)
-        tensors = tuple(n for n in scalars._CALLER if isinstance(scalars.given[n], Tensor)) if eager else ()
+        tensors = scalars.tensor_names() if eager else ()
         self.variant = UpdateVariant(rule.name, static, sr, eager, tensors).name
         #: on DTensors every tensor argument is a DTensor: the scalars replicated on the parameters' mesh
         self.hyper = hyper if mesh is None else _replicated(hyper, mesh)
