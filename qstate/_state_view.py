@@ -14,7 +14,8 @@ Storage rules:
 * An in-place op on it decodes those rows, applies the op through the same strides, and encodes
   back into ``base`` only the blocks whose values changed, in ``base``'s format, block size and
   rounding: one requantize per write, as on the state itself; no other block changes.
-* ``clone`` copies the rows it lies in and views the copy: the same values, exactly.
+* ``clone`` (``contiguous``, ``deepcopy``) copies the rows it lies in and views the copy: the same
+  values, exactly; ``.to(device)`` moves that copy. ``.to(dtype)`` of another dtype reads plain values.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ class QuantizedStateView(Tensor):
         return (f"QuantizedStateView(shape={tuple(self.shape)}, stride={self.stride()}, "
                 f"storage_offset={self.storage_offset()}, base={self.base!r})")
 
+    def __deepcopy__(self, memo: dict) -> "QuantizedStateView":
+        return self.clone()
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(f"a QuantizedStateView is not saved (shape {tuple(self.shape)}, stride {self.stride()} of "
+                        f"[{self.base.describe()}]): save the state it views (view.base) or its values "
+                        "(qstate.dequantize(view))")
+
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         return ["base"], (tuple(self.shape), self.stride(), self.storage_offset())
 
@@ -72,6 +81,8 @@ class QuantizedStateView(Tensor):
             return _views(view.base, func, args, kwargs, _probe(view.base, view))
         if func is torch.ops.aten.clone.default:
             return _Window.of(args[0]).copy()
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", args[0].dtype) == args[0].dtype:
+            return _Window.of(args[0]).copy(kwargs.get("device"))  # a move: the view over moved rows
         written = {id(x) for x in _written_args(func, args, kwargs) if isinstance(x, QuantizedStateView)}
         windows: dict[int, _Window] = {}
 
@@ -184,9 +195,12 @@ class _Window:
         q.codes.copy_(torch.where(code_bytes, fresh.codes, q.codes))
         q.scale.copy_(torch.where(blocks, fresh.scale, q.scale))
 
-    def copy(self) -> QuantizedStateView:
-        """A view with the same size and stride over a copy of :attr:`rows`."""
-        return QuantizedStateView(self.rows.clone(), self.size, self.stride, self.offset)
+    def copy(self, device: Optional[torch.device] = None) -> QuantizedStateView:
+        """A view with the same size and stride over a copy of :attr:`rows` (on ``device``)."""
+        rows = self.rows.clone()
+        if device is not None and torch.device(device) != rows.device:
+            rows = torch.ops.aten._to_copy.default(rows, device=device)
+        return QuantizedStateView(rows, self.size, self.stride, self.offset)
 
 
 def _check_no_overlap(view: QuantizedStateView) -> None:

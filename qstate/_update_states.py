@@ -6,7 +6,7 @@ such code one decode and one encode per state per update.
 
 Storage rules:
 
-* A quantized state (a :class:`~qstate.QuantizedState` or a DTensor over one)
+* A quantized state (a :class:`~qstate.QuantizedState`, a view of one, or a DTensor over either)
   is read into a plain tensor of ``dtype`` (a DTensor of the same mesh,
   placements and shape for a DTensor state, with no communication) and written
   back with ``state.copy_(values)`` when the block exits normally: the state's
@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from ._api import dequantize
-from ._dtensor import is_quantized_state
+from ._dtensor import is_quantized_state, shard_of
+from ._state_view import QuantizedStateView
 
 __all__ = ["update_states"]
 
@@ -56,7 +57,7 @@ def update_states(states: Sequence[Tensor], dtype: torch.dtype = torch.float32) 
             raise TypeError(f"update_states: expected a sequence of tensors, got {type(s).__name__} at index {i}")
     if not dtype.is_floating_point:
         raise TypeError(f"update_states: expected a floating-point dtype for the working values, got {dtype}")
-    quantized = [is_quantized_state(s) for s in states]
+    quantized = [is_quantized_state(s) or isinstance(shard_of(s), QuantizedStateView) for s in states]
     work = [dequantize(s, dtype) if q else s for s, q in zip(states, quantized)]
     yield list(work)
     for i, (s, w, q) in enumerate(zip(states, work, quantized)):

@@ -159,3 +159,36 @@ def test_writes_where_elements_share_a_location_raise_and_change_nothing():
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         q.select(0, 0).unfold(0, 4, 2).zero_()
     assert torch.equal(q.codes, codes)
+
+
+def test_deepcopy_copies_and_saving_names_what_to_save(tmp_path):
+    import copy
+
+    q = _state(4, 300, "8bit", 0)
+    v = q[:, 3:9]
+    c = copy.deepcopy(v)
+    assert c.base is not q and torch.equal(qstate.dequantize(c), qstate.dequantize(v))
+    with pytest.raises(TypeError, match=r"QuantizedStateView is not saved .* save the state it views \(view\.base\)"):
+        torch.save(v, tmp_path / "view.pt")
+
+
+def test_to_a_device_moves_the_view_and_to_a_dtype_reads_values():
+    q = _state(4, 300, "8bit", 0)
+    v = q.t()
+    moved = v.to("cpu", copy=True)
+    assert isinstance(moved, qstate.QuantizedStateView) and moved.base is not q
+    assert torch.equal(qstate.dequantize(moved), q.dequantize().t())
+    moved.mul_(0)  # a copy: the state keeps its values
+    assert torch.equal(qstate.dequantize(v), q.dequantize().t()) and q.dequantize().abs().sum() > 0
+    as_bf16 = v.to(torch.bfloat16)
+    assert type(as_bf16) is torch.Tensor and torch.equal(as_bf16, q.dequantize().t().to(torch.bfloat16))
+
+
+def test_update_states_writes_a_view_once():
+    q = _state(4, 300, "8bit", 0)
+    plain = q.dequantize()
+    with qstate.update_states([q[:, 10:20]]) as (m,):
+        assert type(m) is torch.Tensor
+        m.mul_(0.5).add_(1.0)
+    plain[:, 10:20].mul_(0.5).add_(1.0)
+    assert torch.equal(q.dequantize(), qstate.quantize(plain, "8bit").dequantize())
