@@ -76,6 +76,9 @@ class QuantizedStateView(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.Tag.inplace_view in func.tags:  # t_, transpose_, as_strided_: the wrapper's own metadata
+            raise NotImplementedError(f"{func} on a QuantizedStateView: use its out-of-place form (a new view), "
+                                      f"got shape {tuple(args[0].shape)} of [{args[0].base.describe()}]")
         if func.is_view:
             view = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, QuantizedStateView))
             return _views(view.base, func, args, kwargs, _probe(view.base, view))

@@ -192,3 +192,10 @@ def test_update_states_writes_a_view_once():
         m.mul_(0.5).add_(1.0)
     plain[:, 10:20].mul_(0.5).add_(1.0)
     assert torch.equal(q.dequantize(), qstate.quantize(plain, "8bit").dequantize())
+
+
+def test_in_place_view_ops_raise_and_keep_the_view():
+    v = _state(4, 300, "8bit", 0)[:, :5]
+    with pytest.raises(NotImplementedError, match=r"aten\.t_\.default on a QuantizedStateView: use its out-of-place"):
+        v.t_()
+    assert tuple(v.shape) == (4, 5)
