@@ -2,8 +2,8 @@
 
 Every handler moves whole rows (or, in a 1-D state of one row, whole blocks)
 of ``codes``/``scale``; none requantizes. An op that would split a block
-along dim 0 raises instead of silently requantizing. Views along other dims
-(``t``, ``select``, slicing along dim >= 1, ...) are
+along dim 0 raises instead of silently requantizing. Views a state cannot hold
+(``t``, ``select``, slicing along dim >= 1, a ``view`` that moves rows, ...) are
 :class:`~qstate.QuantizedStateView` objects over the state.
 """
 
@@ -34,29 +34,22 @@ def _padding(q: QuantizedState) -> int:
     return q.rows * q.row_len - q.numel()
 
 
-def view_state(q: QuantizedState, size: Sequence[int]) -> QuantizedState:
-    """``q`` under a new shape with the same rows, or a clear error."""
+def _keeps_rows(q: QuantizedState, shape: tuple[int, ...]) -> bool:
+    """Whether ``q`` under ``shape`` keeps its rows (the storage rules hold with the same parts)."""
+    return shape == tuple(q.shape) or len(shape) <= 1 or (shape[0] == q.rows and _padding(q) == 0)
+
+
+# DTensor.from_local (view_as), flatten/reshape of states, torch.compile; a shape that moves rows: a
+# QuantizedStateView
+@register(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default)
+def _view(func, args, kwargs):
+    q, size = args[0], args[1]
     shape = _infer_shape(size, q.numel())
     if math.prod(shape) != q.numel():
         raise RuntimeError(f"view: shape {list(size)} is invalid for a state of {q.numel()} elements [{q.describe()}]")
-    keeps_rows = (
-        shape == tuple(q.shape)
-        or len(shape) <= 1
-        or (shape[0] == q.rows and _padding(q) == 0)
-    )
-    if not keeps_rows:
-        raise NotImplementedError(
-            f"view: shape {list(shape)} would move rows of a state stored as {q.rows} rows of {q.row_len} "
-            f"(new dim 0 must equal {q.rows}, or be 1-D) [{q.describe()}]"
-        )
-    return q.with_parts(q.codes, q.scale, shape=shape)
-
-
-# DTensor.from_local (view_as), flatten/reshape of states, torch.compile
-@register(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default)
-def _view(func, args, kwargs):
-    out = view_state(args[0], args[1])
-    return return_and_correct_aliasing(func, args, kwargs, out)
+    if not _keeps_rows(q, shape):
+        return view_of_state(q, func, args, kwargs)
+    return return_and_correct_aliasing(func, args, kwargs, q.with_parts(q.codes, q.scale, shape=shape))
 
 
 # autograd / DTensor.from_local / torch.compile (detach and alias return the same state)

@@ -29,6 +29,14 @@ READ_OPS = [
     aten.clamp_min.default, aten.clamp_max.default, aten.reciprocal.default, aten.gt.Tensor, aten.gt.Scalar,
     aten.ge.Tensor, aten.ge.Scalar, aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
 ]
+#: reads that index, sort, scan or select values -> plain result
+SELECT_OPS = [
+    aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.masked_select.default,
+    aten.nonzero.default, aten.sort.default, aten.sort.stable, aten.topk.default, aten.kthvalue.default,
+    aten.median.default, aten.median.dim, aten.cumsum.default, aten.cumprod.default, aten.flip.default,
+    aten.roll.default, aten.tril.default, aten.triu.default, aten.trace.default, aten.histc.default,
+    aten._softmax.default, aten._log_softmax.default, aten._cdist_forward.default,
+]
 #: matrix products reading a state -> plain result
 MATMUL_OPS = [aten.mm.default, aten.mv.default, aten.dot.default, aten.bmm.default, aten.addmm.default,
               aten.addmv.default, aten.baddbmm.default, aten.addbmm.default]
@@ -40,6 +48,8 @@ INPLACE_OPS = [
     aten.addcdiv_.default, aten.sqrt_.default, aten.clamp_.default, aten.fill_.Scalar, aten.maximum.out,
     aten.neg_.default, aten.abs_.default, aten.sign_.default, aten.reciprocal_.default, aten.clamp_min_.default,
     aten.clamp_max_.default, aten.pow_.Scalar, aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+    aten.index_put_.default, aten.masked_scatter_.default, aten.scatter_.src, aten.scatter_.value,
+    aten.scatter_add_.default, aten.index_fill_.int_Scalar, aten.index_copy_.default, aten.index_add_.default,
 ]
 
 
@@ -50,7 +60,7 @@ NAMED_READ_OPS = ["prims::fma"]
 
 # optimizers reading moments (exp_avg.mul(beta), exp_avg_sq.sqrt(), ...) and tests
 @register_by_name(*NAMED_READ_OPS)
-@register(*READ_OPS, *MATMUL_OPS)
+@register(*READ_OPS, *SELECT_OPS, *MATMUL_OPS)
 def _read(func, args, kwargs):
     return func(*dequantize_args(args), **dequantize_args(kwargs))
 

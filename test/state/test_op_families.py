@@ -1,5 +1,5 @@
-"""Torch's pointwise and reduction ops (the ops it tags ``pointwise``/``reduction``) and matrix products
-on states, against the same op on the dequantized values: reads give plain tensors of exactly those
+"""Torch's pointwise and reduction ops (the ops it tags ``pointwise``/``reduction``), the ops that index,
+sort or scan values, and matrix products on states, against the same op on the dequantized values: reads give plain tensors of exactly those
 values; in-place forms give the state the requantized result."""
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ READS = {
     "argmax": lambda t, x: t.argmax(),
     "logsumexp": lambda t, x: t.logsumexp(1),
     "prod(dim=1)": lambda t, x: t.prod(dim=1),
+    "index": lambda t, x: t[:, [0, 2]],
+    "index_select": lambda t, x: t.index_select(1, torch.tensor([2, 0])),
+    "gather": lambda t, x: t.gather(1, torch.zeros(t.shape[0], 2, dtype=torch.int64)),
+    "sort": lambda t, x: t.sort(dim=1).values,
+    "topk": lambda t, x: t.topk(2).values,
+    "cumsum": lambda t, x: t.cumsum(1),
+    "flip": lambda t, x: t.flip(1),
+    "tril": lambda t, x: t.tril(),
+    "softmax": lambda t, x: t.softmax(1),
+    "median(dim=1)": lambda t, x: t.median(dim=1).values,
     "mv": lambda t, x: t @ x[0],
     "dot": lambda t, x: torch.dot(t.select(0, 0), x[0]),
     "addmm": lambda t, x: torch.addmm(x[:, :1], t, x.t()),
@@ -37,6 +47,9 @@ WRITES = {
     "sigmoid_": lambda t, x: t.sigmoid_(),
     "masked_fill_": lambda t, x: t.masked_fill_(x > 0, 0.5),
     "hypot_": lambda t, x: t.hypot_(x),
+    "index_put_": lambda t, x: t.index_put_((torch.tensor([0]),), x[0]),
+    "scatter_": lambda t, x: t.scatter_(1, torch.zeros(t.shape[0], 1, dtype=torch.int64), 2.0),
+    "index_add_": lambda t, x: t.index_add_(1, torch.tensor([1, 2]), x[:, :2]),
 }
 
 

@@ -93,8 +93,8 @@ ValueError: copy_ into a state [4bit unsigned block_size=128 dtype=torch.float32
         )
         m = qstate.quantize(torch.randn(6, 10), "fp8")
         self.assertExpectedInline(
-            _err(lambda: m.view(3, 20)),
-            """NotImplementedError: view: shape [3, 20] would move rows of a state stored as 6 rows of 10 (new dim 0 must equal 6, or be 1-D) [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
+            _err(lambda: m.view(7, 10)),
+            """RuntimeError: view: shape [7, 10] is invalid for a state of 60 elements [fp8 signed block_size=256 dtype=torch.float32 shape=(6, 10) device=cpu]""",
         )
         self.assertExpectedInline(
             _err(lambda: torch.nn.functional.pad(m, [1, 0])),

@@ -30,6 +30,7 @@ VIEWS = {
     "chunk(1)": lambda t: t.chunk(3, dim=1)[1],
     "unbind(1)": lambda t: t.unbind(1)[2],
     "t.slice": lambda t: t.t()[3:7],
+    "view(cols, rows)": lambda t: t.view(t.shape[1], t.shape[0]),
     "slice.t.select": lambda t: t[:, 1:].t().select(1, 0),
 }
 #: name -> in-place op on a tensor ``v`` (``x``: plain values of the same shape)
