@@ -144,7 +144,27 @@ WRITES = {
     aten.clamp_min_.default: lambda s, o, p, w, c: aten.clamp_min_.default(s, -0.25),
     aten.clamp_max_.default: lambda s, o, p, w, c: aten.clamp_max_.default(s, 0.25),
     aten.pow_.Scalar: lambda s, o, p, w, c: aten.pow_.Scalar(s, 2),
+    aten.masked_fill_.Scalar: lambda s, o, p, w, c: aten.masked_fill_.Scalar(s, c, 0.5),
+    aten.masked_fill_.Tensor: lambda s, o, p, w, c: aten.masked_fill_.Tensor(s, c, torch.tensor(0.25)),
+    aten.masked_scatter_.default: lambda s, o, p, w, c: aten.masked_scatter_.default(s, c, w),
+    aten.index_put_.default: lambda s, o, p, w, c: aten.index_put_.default(s, [_first()], w[:1]),
+    aten.scatter_.src: lambda s, o, p, w, c: aten.scatter_.src(s, 0, _zeros_index(s), w),
+    aten.scatter_.value: lambda s, o, p, w, c: aten.scatter_.value(s, 0, _zeros_index(s), 0.5),
+    aten.scatter_add_.default: lambda s, o, p, w, c: aten.scatter_add_.default(s, 0, _zeros_index(s), w),
+    aten.index_fill_.int_Scalar: lambda s, o, p, w, c: aten.index_fill_.int_Scalar(s, 0, _first(), 0.5),
+    aten.index_copy_.default: lambda s, o, p, w, c: aten.index_copy_.default(s, 0, _first(), w[:1]),
+    aten.index_add_.default: lambda s, o, p, w, c: aten.index_add_.default(s, 0, _first(), w[:1]),
 }
+
+
+def _first() -> torch.Tensor:
+    """The index of the first element along dim 0."""
+    return torch.tensor([0])
+
+
+def _zeros_index(s) -> torch.Tensor:
+    """A ``scatter`` index writing the first element along dim 0 (every index 0)."""
+    return torch.zeros((1, *s.shape[1:]), dtype=torch.int64)
 
 
 def _state(fmt, signed, shape, dtype, seed):
