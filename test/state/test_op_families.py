@@ -53,24 +53,28 @@ WRITES = {
 }
 
 
-@settings(max_examples=16)
-@given(fmt=st.sampled_from(["8bit", "4bit", "fp8"]), op=st.sampled_from(sorted(READS)), rows=st.integers(1, 5),
-       cols=st.sampled_from([3, 300]), seed=st.integers(0, 2**16))
-def test_reads_give_the_values_of_the_same_op(fmt, op, rows, cols, seed):
+#: a state of every format and a few shapes (rows of 3: one partial block; of 300: a whole and a partial)
+STATES = dict(fmt=st.sampled_from(["8bit", "4bit", "fp8"]), rows=st.integers(1, 5), cols=st.sampled_from([3, 300]),
+              seed=st.integers(0, 2**16))
+
+
+def _operands(fmt: str, rows: int, cols: int, seed: int) -> tuple[qstate.QuantizedState, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q = qstate.quantize(torch.randn(rows, cols, generator=gen), fmt)
-    x = torch.randn(rows, cols, generator=gen)
+    return qstate.quantize(torch.randn(rows, cols, generator=gen), fmt), torch.randn(rows, cols, generator=gen)
+
+
+@settings(max_examples=16)
+@given(op=st.sampled_from(sorted(READS)), **STATES)
+def test_reads_give_the_values_of_the_same_op(op, fmt, rows, cols, seed):
+    q, x = _operands(fmt, rows, cols, seed)
     got, want = READS[op](q, x), READS[op](q.dequantize(), x)
     assert type(got) is torch.Tensor and torch.equal(got, want)
 
 
 @settings(max_examples=12)
-@given(fmt=st.sampled_from(["8bit", "4bit", "fp8"]), op=st.sampled_from(sorted(WRITES)), rows=st.integers(1, 5),
-       cols=st.sampled_from([3, 300]), seed=st.integers(0, 2**16))
-def test_in_place_forms_requantize_the_result(fmt, op, rows, cols, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = qstate.quantize(torch.randn(rows, cols, generator=gen), fmt)
-    x = torch.randn(rows, cols, generator=gen)
+@given(op=st.sampled_from(sorted(WRITES)), **STATES)
+def test_in_place_forms_requantize_the_result(op, fmt, rows, cols, seed):
+    q, x = _operands(fmt, rows, cols, seed)
     plain = q.dequantize()
     assert WRITES[op](q, x) is q
     assert torch.equal(q.dequantize(), qstate.quantize(WRITES[op](plain, x), fmt).dequantize())
