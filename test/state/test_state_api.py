@@ -284,3 +284,20 @@ def test_quantize_and_zeros_like_under_fake_tensor_mode(fmt, rounding, shape):
                 assert (t.shape, t.dtype) == (w.shape, w.dtype)
             back = q.dequantize()
             assert is_fake(back) and back.shape == x.shape
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_writes_into_a_one_dim_state_of_several_padded_rows(fmt):
+    # torch.cat of 1-D states gives rows of the first's length, the last one padded
+    state = torch.cat([qstate.quantize(torch.randn(512), fmt), qstate.quantize(torch.randn(300), fmt)])
+    assert (state.rows, state.row_len, state.numel()) == (2, 512, 812)
+
+    def encoded_in_those_rows(x):
+        return qstate.quantize(torch.nn.functional.pad(x, (0, 212)).view(2, 512), fmt).dequantize().view(-1)[:812]
+
+    x = torch.randn(812)
+    state.copy_(x)
+    assert torch.equal(state.dequantize(), encoded_in_those_rows(x))
+    before = state.dequantize()
+    state.mul_(0.5)
+    assert torch.equal(state.dequantize(), encoded_in_those_rows(before * 0.5))
