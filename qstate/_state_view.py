@@ -11,9 +11,9 @@ Storage rules:
 * It holds no codes of its own: it aliases ``base``, and a view of it is a view of ``base``.
 * An op that reads it gets its values as a plain tensor of the same strides, decoded from the rows
   of ``base`` it lies in (and only those): reads return plain tensors, as they do on a state.
-* An in-place op on it decodes those rows, applies the op through the same strides, and encodes
-  back into ``base`` only the blocks whose values changed, in ``base``'s format, block size and
-  rounding: one requantize per write, as on the state itself; no other block changes.
+* An in-place op on it decodes those rows, applies the op to the view's elements, and encodes back
+  into ``base`` only the blocks that hold one, in ``base``'s format, block size and rounding: one
+  requantize per write, as on the state itself; no other block changes.
 * ``clone`` (``contiguous``, ``deepcopy``) copies the rows it lies in and views the copy: the same
   values, exactly; ``.to(device)`` moves that copy. ``.to(dtype)`` of another dtype reads plain values.
 """
@@ -153,7 +153,7 @@ class _Window:
     """The rows of a view's base it lies in (``rows``, a state aliasing them), their decoded values
     (``flat``), where the view's elements lie in ``flat`` (``size``, ``stride``, ``offset``) and what
     an op gets for the view (``values``): a strided view of ``flat`` for a read, a copy for a write
-    (written back with ``as_strided_scatter``, which ``torch.compile`` can trace)."""
+    (written back by index, which ``torch.compile`` traces, unlike a write through ``as_strided``)."""
 
     rows: QuantizedState
     flat: Tensor
@@ -182,19 +182,18 @@ class _Window:
         return _Window(rows, flat, size, stride, offset, values)
 
     def write_back(self) -> None:
-        """Encode the blocks of :attr:`rows` whose values changed (NaN for NaN is no change)."""
-        new = torch.as_strided_scatter(self.flat, self.values, self.size, self.stride, self.offset)
-        changed = (new != self.flat) & ~(new.isnan() & self.flat.isnan())
+        """Encode into :attr:`rows` the blocks that hold an element of the view; the others keep their bits."""
         q = self.rows
-        fresh = q.clone()
-        fresh.copy_(new.view(q.shape))
         width, bs, nb = q.row_len, q.block_size, q.scale.shape[1]
-        per_element = torch.zeros(q.rows * width, dtype=torch.bool, device=q.device)
-        per_element[:changed.numel()] = changed
-        padded = torch.zeros(q.rows, nb * bs, dtype=torch.bool, device=q.device)
-        padded[:, :width] = per_element.view(q.rows, width)
-        blocks = padded.view(q.rows, nb, bs).any(-1)
-        code_bytes = blocks.repeat_interleave(bs * q.fmt.bits // 8, dim=1)[:, :q.codes.shape[1]]
+        positions = _positions(self.size, self.stride, self.offset, q.device)
+        self.flat.index_put_((positions,), self.values)
+        fresh = q.clone()
+        fresh.copy_(self.flat.view(q.shape))
+        blocks = torch.zeros(q.rows * nb, dtype=torch.bool, device=q.device)
+        blocks[(positions // width * nb + positions % width // bs).reshape(-1)] = True
+        blocks = blocks.view(q.rows, nb)
+        per_block = bs * q.fmt.bits // 8
+        code_bytes = blocks.unsqueeze(-1).expand(q.rows, nb, per_block).reshape(q.rows, -1)[:, :q.codes.shape[1]]
         q.codes.copy_(torch.where(code_bytes, fresh.codes, q.codes))
         q.scale.copy_(torch.where(blocks, fresh.scale, q.scale))
 
@@ -204,6 +203,16 @@ class _Window:
         if device is not None and torch.device(device) != rows.device:
             rows = torch.ops.aten._to_copy.default(rows, device=device)
         return QuantizedStateView(rows, self.size, self.stride, self.offset)
+
+
+def _positions(size: tuple, stride: tuple, offset: int, device: torch.device) -> Tensor:
+    """The flat index of each element of a view of ``size``, ``stride`` and ``offset`` (int64, ``size``)."""
+    positions = torch.full((), offset, dtype=torch.int64, device=device)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        along = [1] * len(size)
+        along[d] = n
+        positions = positions + (torch.arange(n, dtype=torch.int64, device=device) * s).view(along)
+    return positions.expand(size)
 
 
 def _check_no_overlap(view: QuantizedStateView) -> None:
