@@ -17,7 +17,7 @@ qstate's states and optimizers need. It changes no DTensor rule of a torch op:
 qstate's replacements of those (the upstream patch series, applied at run
 time) are opt-in, :func:`qstate.dtensor_rules.install`. (3) It imports
 :mod:`qstate.optim`, which registers the C kernel's encode and decode of CPU
-states (:mod:`qstate._state_kernels`).
+states (:mod:`qstate._state_kernels`); inductor's compiled ones serve CUDA states.
 """
 
 import torch
@@ -28,6 +28,7 @@ from .distributed import DEFAULT_MIN_QUANTIZE_NUMEL, state_like, wants_quantized
 from ._state import QuantizedState, _rebuild_quantized_state
 from ._state_view import QuantizedStateView
 from ._update_states import update_states
+from . import _compiled_codec  # noqa: F401  (inductor's encode and decode of CUDA states)
 from . import ops  # noqa: F401  (fills the dispatch table)
 from . import dtensor_rules
 

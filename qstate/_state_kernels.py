@@ -4,14 +4,15 @@ A :class:`~qstate.QuantizedState`'s ``dequantize``, ``copy_`` of values into a s
 :func:`qstate.quantize` run the formats' torch ops (:meth:`~qstate.formats.BlockFormat.encode` and
 ``decode``) unless the kernels registered for the state's device type take the call
 (:meth:`StateKernels.encodes`, :meth:`StateKernels.decodes`); ``import qstate`` registers the C kernel's
-for CPU states. Registered kernels write exactly the codes and scales the formats' encode writes and
+for CPU states, and inductor's compiled encode and decode for CUDA states (:mod:`qstate._compiled_codec`).
+Registered kernels write exactly the codes and scales the formats' encode writes and
 read exactly the values their decode reads, and raise before writing anything when a buffer is not
 what they take.
 
-While ``torch.compile`` traces a state of a device type registered here, its encode and decode are
-the ops ``qstate::encode_into_`` and ``qstate::decode`` (:mod:`qstate._state_codec`), so a device
-type that registers kernels here registers the same kernels for those ops (the C kernel's module
-does for CPU); the compiled code calls them.
+While ``torch.compile`` traces a state of a device type registered here with ``traced`` (CPU), its
+encode and decode are the ops ``qstate::encode_into_`` and ``qstate::decode``
+(:mod:`qstate._state_codec`), whose kernels for that device type are the same kernels (the C kernel's
+module registers both); the compiled code calls them.
 """
 
 from __future__ import annotations
@@ -42,11 +43,16 @@ class StateKernels(Protocol):
 
 #: device type -> the kernels registered for states on it
 _KERNELS: dict[str, StateKernels] = {}
+#: device types whose kernels are also the kernels of ``qstate::encode_into_``/``qstate::decode``
+_TRACED: set[str] = set()
 
 
-def register_state_kernels(device_type: str, kernels: StateKernels) -> None:
-    """Register ``kernels`` for states on ``device_type`` (replacing earlier ones)."""
+def register_state_kernels(device_type: str, kernels: StateKernels, *, traced: bool = True) -> None:
+    """Register ``kernels`` for states on ``device_type`` (replacing earlier ones). ``traced``: they are
+    also the codec ops' kernels for the device type, which compiled code then calls (module docstring);
+    else compiled code keeps the formats' torch ops."""
     _KERNELS[device_type] = kernels
+    (_TRACED.add if traced else _TRACED.discard)(device_type)
 
 
 def kernels_for(q: Any) -> Optional[StateKernels]:
@@ -62,7 +68,7 @@ def kernels_for(q: Any) -> Optional[StateKernels]:
 
 def traced_codec(q: Any) -> bool:
     """Whether ``q``'s encode (rounded to nearest) and decode are the ops ``qstate::encode_into_`` and
-    ``qstate::decode``: while ``torch.compile`` traces, for a state on a device type with registered
-    kernels (the traced graph then calls the ops' kernels for it). Elsewhere compiled code keeps the
+    ``qstate::decode``: while ``torch.compile`` traces, for a state on a device type whose registered
+    kernels are the ops' (``traced``; the traced graph then calls them). Elsewhere compiled code keeps the
     formats' torch ops, which the compiler fuses into its own kernels."""
-    return torch.compiler.is_compiling() and q.codes.device.type in _KERNELS
+    return torch.compiler.is_compiling() and q.codes.device.type in _TRACED

@@ -176,6 +176,28 @@ def check_cpu_saved_state_loads_on_cuda() -> None:
     assert torch.equal(back.dequantize().cpu(), q.dequantize())
 
 
+def check_compiled_codec_equals_the_formats_ops_on_cuda() -> None:
+    # CUDA states' copy_, quantize and dequantize run inductor's kernels (qstate._compiled_codec)
+    from qstate._compiled_codec import COMPILED
+    from qstate._state_codec import rows_of
+    from qstate.formats import get_format
+
+    for fmt, signed in [("8bit", True), ("8bit", False), ("4bit", True), ("4bit", False), ("fp8", True)]:
+        for shape in [(64, 512), (3, 4096)]:
+            x = torch.randn(shape, device="cuda") * 10 ** (torch.rand(shape, device="cuda") * 4 - 2)
+            x = x if signed else x.abs()
+            q = qstate.quantize(x, fmt, signed=signed)
+            assert COMPILED.encodes(q, x) and COMPILED.decodes(q), (fmt, signed, shape)
+            codes, scale = get_format(fmt).encode(rows_of(x, q.rows, q.row_len), q.block_size, signed, q.qmap)
+            assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale), (fmt, signed, shape)
+            values = get_format(fmt).decode(q.codes, q.scale, q.row_len, q.block_size, q.qmap).view(shape)
+            assert torch.equal(q.dequantize(), values), (fmt, signed, shape)
+            q.mul_(0.5)
+            codes, scale = get_format(fmt).encode(rows_of(values * 0.5, q.rows, q.row_len), q.block_size, signed,
+                                                  q.qmap)
+            assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale), (fmt, signed, shape, "mul_")
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("cuda_checks: no CUDA device")
@@ -187,7 +209,8 @@ def main() -> None:
     torch.cuda.set_device(0)
     checks = [check_offload_compiled_step_with_cuda_lr, check_grad_scaler_with_offloaded_grads,
               check_compiled_kernels_equal_eager_on_cuda, check_bf16_stochastic_rounding_on_cuda_shards,
-              check_prepared_calls_equal_the_full_path_on_cuda, check_cpu_saved_state_loads_on_cuda]
+              check_prepared_calls_equal_the_full_path_on_cuda, check_cpu_saved_state_loads_on_cuda,
+              check_compiled_codec_equals_the_formats_ops_on_cuda]
     failed = []
     try:
         for check in checks:
