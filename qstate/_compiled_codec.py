@@ -57,7 +57,7 @@ def _compiles_on(device_type: str) -> bool:
 
 def _whole_blocks(q) -> bool:
     """Whether ``q``'s rows are at least two whole blocks with no padding (module docstring)."""
-    return (q.row_len % q.block_size == 0 and q.rows * q.row_len == q.numel() >= 2 * q.block_size
+    return (q.row_len % q.block_size == 0 and q.codes.shape[0] * q.row_len == q.numel() >= 2 * q.block_size
             and q.codes.is_contiguous() and q.scale.is_contiguous() and _compiles_on(q.codes.device.type))
 
 

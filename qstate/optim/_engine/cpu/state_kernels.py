@@ -59,8 +59,8 @@ class CPUStateKernels:
     def encodes(self, q: QuantizedState, values: Tensor) -> bool:
         # the values' dtype: the kernel spec's parameter dtype, which the C kernel's supports checks; its
         # rows hold the values with no padding (a 1-D state of several rows, from a cat, may have some)
-        return (q.rounding == "nearest" and values.device.type == "cpu" and q.rows * q.row_len == q.numel()
-                and _takes(q, values.dtype))
+        return (q.rounding == "nearest" and values.device.type == "cpu"
+                and q.codes.shape[0] * q.row_len == q.numel() and _takes(q, values.dtype))
 
     def encode_into(self, q: QuantizedState, values: Tensor) -> None:
         x = values.detach().contiguous().view(-1)
