@@ -587,6 +587,18 @@ static inline __m128i fp8_code16(__m512 y, int is_signed, int bounded) {
 #define CARRY_512(a, b) _mm512_maskz_mov_epi32(_mm512_cmpgt_epi32_mask((a), (b)), _mm512_set1_epi32(-1))
 DEFINE_SR_DRAW(512, CARRY_512)
 
+/* stochastic_code's decision on 16 values: the lanes of y (between its codes' values lo and hi) that round up to
+ * hi, with the draws of the flat indices base .. base + 15 under the state's key */
+static inline __mmask16 sr_rounds_up_512(__m512 y, __m512 lo, __m512 hi, uint64_t key, uint64_t base) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i r = float_rank_512(y), r_lo = float_rank_512(lo), r_hi = float_rank_512(hi);
+    return _mm512_cmpge_epi32_mask(r, _mm512_sub_epi32(r_hi, one)) |
+           (_mm512_cmpgt_epi32_mask(r, _mm512_add_epi32(r_lo, one)) &
+            _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
+                               _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)), _CMP_LT_OQ));
+}
+
 static inline __m512 map4_search16(const float *restrict thr, const float *restrict qmap, int sr) {
     if (!sr) return _mm512_loadu_ps(thr);
     return _mm512_permutexvar_ps(_mm512_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 15),
@@ -603,14 +615,7 @@ static inline __m512i map4_code16(__m512 y, __m512 s, __m512 qmap, int sr, uint6
     const __m512i one = _mm512_set1_epi32(1);
     c = _mm512_min_epi32(c, _mm512_set1_epi32(14));
     const __m512 lo = _mm512_permutexvar_ps(c, qmap), hi = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), qmap);
-    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i r = float_rank_512(y), r_lo = float_rank_512(lo), r_hi = float_rank_512(hi);
-    const __mmask16 up = _mm512_cmpge_epi32_mask(r, _mm512_sub_epi32(r_hi, one)) |
-                         (_mm512_cmpgt_epi32_mask(r, _mm512_add_epi32(r_lo, one)) &
-                          _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
-                                             _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)),
-                                             _CMP_LT_OQ));
-    return _mm512_mask_add_epi32(c, up, c, one);
+    return _mm512_mask_add_epi32(c, sr_rounds_up_512(y, lo, hi, key, base), c, one);
 }
 
 /* the values of codes 0x00..0x7e in 32-bit lanes (fp8_non_negative_value8's steps) */
@@ -628,13 +633,7 @@ static inline __m128i fp8_sr_code16(__m512 y, uint64_t key, uint64_t base) {
     c = _mm512_mask_sub_epi32(c, _mm512_cmp_ps_mask(fp8_non_negative_value16(c), y, _CMP_GT_OQ), c, one);
     c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
     const __m512 lo = fp8_non_negative_value16(c), hi = fp8_non_negative_value16(_mm512_add_epi32(c, one));
-    const __m512 draw = sr_draw_512(key, base, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i r = float_rank_512(y), r_lo = float_rank_512(lo), r_hi = float_rank_512(hi);
-    const __mmask16 up = _mm512_cmpge_epi32_mask(r, _mm512_sub_epi32(r_hi, one)) |
-                         (_mm512_cmpgt_epi32_mask(r, _mm512_add_epi32(r_lo, one)) &
-                          _mm512_cmp_ps_mask(_mm512_mul_ps(draw, _mm512_sub_ps(hi, lo)),
-                                             _mm512_mul_ps(_mm512_sub_ps(y, lo), _mm512_set1_ps(16777216.0f)), _CMP_LT_OQ));
-    c = _mm512_max_epi32(_mm512_mask_add_epi32(c, up, c, one), one);
+    c = _mm512_max_epi32(_mm512_mask_add_epi32(c, sr_rounds_up_512(y, lo, hi, key, base), c, one), one);
     return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(nearest, positive, c));
 }
 #endif
@@ -666,6 +665,17 @@ static inline search4_t map4_search8(const float *restrict thr, const float *res
 
 DEFINE_SR_DRAW(256, _mm256_cmpgt_epi32)
 
+/* sr_rounds_up_512 on 8 values: all ones in the lanes that round up to hi */
+static inline __m256 sr_rounds_up_256(__m256 y, __m256 lo, __m256 hi, uint64_t key, uint64_t base) {
+    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i r = float_rank_256(y), r_lo = float_rank_256(lo), r_hi = float_rank_256(hi);
+    return _mm256_or_ps(
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_sub_epi32(r_hi, _mm256_set1_epi32(2)))),
+        _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_add_epi32(r_lo, _mm256_set1_epi32(1)))),
+                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
+                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+}
+
 /* map4_code16 on 8 values: the same four halvings (c + step - 1 is the entry of s compared), each reading its
  * candidates from one register (s: map4_search8's); qmap: the map's values as halves (q[0..7], q[8..15]). With
  * stochastic rounding (sr) the search counts the entries q_1..q_15 below y, so q_c < y <= q_c+1 once c is capped
@@ -686,13 +696,7 @@ static inline __m256i map4_code8(__m256 y, const search4_t *restrict s, const __
     const __m256i one = _mm256_set1_epi32(1);
     c = _mm256_min_epi32(c, _mm256_set1_epi32(14));
     const __m256 lo = lookup16(qmap[0], qmap[1], c), hi = lookup16(qmap[0], qmap[1], _mm256_add_epi32(c, one));
-    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i r = float_rank_256(y), r_lo = float_rank_256(lo), r_hi = float_rank_256(hi);
-    const __m256 up = _mm256_or_ps(
-        _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_sub_epi32(r_hi, _mm256_set1_epi32(2)))),
-        _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_add_epi32(r_lo, one))),
-                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
-                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+    const __m256 up = sr_rounds_up_256(y, lo, hi, key, base);
     return _mm256_sub_epi32(c, _mm256_castps_si256(up));
 }
 
@@ -741,13 +745,7 @@ static inline __m256i fp8_sr_code8(__m256 y, uint64_t key, uint64_t base) {
     c = _mm256_add_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(fp8_non_negative_value8(c), y, _CMP_GT_OQ)));
     c = _mm256_min_epi32(_mm256_max_epi32(c, _mm256_setzero_si256()), _mm256_set1_epi32(FP8_NON_NEGATIVE_CODES - 2));
     const __m256 lo = fp8_non_negative_value8(c), hi = fp8_non_negative_value8(_mm256_add_epi32(c, one));
-    const __m256 draw = sr_draw_256(key, base, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256i r = float_rank_256(y), r_lo = float_rank_256(lo), r_hi = float_rank_256(hi);
-    const __m256 up = _mm256_or_ps(
-        _mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_sub_epi32(r_hi, _mm256_set1_epi32(2)))),
-        _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(r, _mm256_add_epi32(r_lo, one))),
-                      _mm256_cmp_ps(_mm256_mul_ps(draw, _mm256_sub_ps(hi, lo)),
-                                    _mm256_mul_ps(_mm256_sub_ps(y, lo), _mm256_set1_ps(16777216.0f)), _CMP_LT_OQ)));
+    const __m256 up = sr_rounds_up_256(y, lo, hi, key, base);
     c = _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), one);
     return _mm256_blendv_epi8(nearest, c, _mm256_castps_si256(positive));
 }
