@@ -81,7 +81,7 @@ class QuantizedStateView(Tensor):
                                       f"got shape {tuple(args[0].shape)} of [{args[0].base.describe()}]")
         if func.is_view:
             view = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, QuantizedStateView))
-            return _views(view.base, func, args, kwargs, _probe(view.base, view))
+            return view_of_state(view, func, args, kwargs)
         if func is torch.ops.aten.clone.default:
             return _Window.of(args[0]).copy()
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", args[0].dtype) == args[0].dtype:
@@ -124,10 +124,11 @@ def _probe(base: QuantizedState, x: Tensor) -> Tensor:
     return storage.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
-def _views(base: QuantizedState, func, args: tuple, kwargs: dict, probe: Tensor) -> Any:
-    """``func`` (a view op) of ``base`` or of a view of it, as views of ``base``: torch computes the
-    sizes and strides on a meta tensor standing in for the viewed tensor."""
-    viewed = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, (QuantizedState, QuantizedStateView)))
+def view_of_state(viewed: Tensor, func, args: tuple, kwargs: dict) -> Any:
+    """``func`` (a view op) of ``viewed``, a state or a view of one, as views of the state: torch computes
+    the sizes and strides on a meta tensor standing in for ``viewed``."""
+    base = viewed.base if isinstance(viewed, QuantizedStateView) else viewed
+    probe = _probe(base, viewed)
     stand_in = lambda x: probe if x is viewed else x  # noqa: E731
     out = func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
     storage = probe.untyped_storage()._cdata
@@ -141,11 +142,6 @@ def _views(base: QuantizedState, func, args: tuple, kwargs: dict, probe: Tensor)
         return _Window.of(viewed).copy()
 
     return tree_map(as_view, out)
-
-
-def view_of_state(q: QuantizedState, func, args: tuple, kwargs: dict) -> Any:
-    """``func`` (a view op) of the state ``q`` as :class:`QuantizedStateView` objects."""
-    return _views(q, func, args, kwargs, _probe(q, q))
 
 
 @dataclass

@@ -28,8 +28,7 @@ def is_dim0(dim: int, q: QuantizedState) -> bool:
     return (dim + max(q.dim(), 1) if dim < 0 else dim) == 0
 
 
-def norm_dim(dim: int, ndim: int, what: str, q: QuantizedState) -> int:
-    d = dim + max(ndim, 1) if dim < 0 else dim
-    if d != 0:
+def check_dim0(dim: int, what: str, q: QuantizedState) -> None:
+    """Raise unless ``dim`` is dim 0 of ``q`` (``what``: the op, for the message)."""
+    if not is_dim0(dim, q):
         raise NotImplementedError(f"{what}: a QuantizedState supports dim 0 only, got dim={dim} for [{q.describe()}]")
-    return d

@@ -19,7 +19,7 @@ from .._api import zero_parts
 from .._state import QuantizedState
 from .._state_view import view_of_state
 from .._op_table import register
-from ._util import aten, check_same_kind, is_dim0, norm_dim
+from ._util import aten, check_dim0, check_same_kind, is_dim0
 
 
 def _infer_shape(size: Sequence[int], numel: int) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(t, QuantizedState) for t in tensors):
         raise TypeError(f"cat: all inputs must be QuantizedState, got {[type(t).__name__ for t in tensors]}")
-    norm_dim(dim, first.dim(), "cat", first)
+    check_dim0(dim, "cat", first)
     tensors = [t for t in tensors if t.numel() or t.dim() >= 2]
     if not tensors:
         return first.clone()
@@ -223,12 +223,7 @@ def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None
     numel = q.numel() + extra
     if q.rows == 1:  # grow the single row: zero codes after the data, zero scales for new blocks
         L = max(numel, extend_row_to or 0)
-        values = f.unpack(q.codes, q.row_len)[:, :q.numel()]
-        codes = torch.cat([values, torch.full((1, L - q.numel()), f.zero_code(q.signed), dtype=torch.uint8, device=q.device)], 1)
-        nb = -(-L // q.block_size)
-        scale = torch.cat([q.scale[:, : -(-q.numel() // q.block_size)],
-                           torch.zeros((1, nb), dtype=torch.float32, device=q.device)], 1)[:, :nb]
-        return q.with_parts(f.pack(codes), scale, shape=(numel,), row_len=L)
+        return q.with_parts(*_widen_rows(q, q.numel(), L), shape=(numel,), row_len=L)
     L = q.row_len
     new_rows = -(-numel // L) - q.rows
     values = f.unpack(q.codes, L).clone()
@@ -237,17 +232,24 @@ def pad_state(q: QuantizedState, extra: int, extend_row_to: Optional[int] = None
     return q.with_parts(torch.cat([f.pack(values), codes]), torch.cat([q.scale, scale]), shape=(numel,))
 
 
-def _pad_columns(q: QuantizedState, extra: int) -> QuantizedState:
-    """A 2-D ``q`` with ``extra`` zeros appended to every row (new parts): each block keeps its scale
-    (a zero changes no absmax) and its codes; blocks past the old row end are zeros."""
+def _widen_rows(q: QuantizedState, kept: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of ``q``'s rows cut to their first ``kept`` elements and widened to ``width`` with
+    zeros: each kept block keeps its scale (a zero changes no absmax) and its codes; the new blocks are
+    zeros."""
     f, rows = q.fmt, q.rows
+    codes = torch.cat([f.unpack(q.codes, q.row_len)[:, :kept],
+                       torch.full((rows, width - kept), f.zero_code(q.signed), dtype=torch.uint8, device=q.device)], 1)
+    kept_blocks = -(-kept // q.block_size)
+    new_blocks = -(-width // q.block_size) - kept_blocks
+    scale = torch.cat([q.scale[:, :kept_blocks],
+                       torch.zeros((rows, new_blocks), dtype=torch.float32, device=q.device)], 1)
+    return f.pack(codes), scale
+
+
+def _pad_columns(q: QuantizedState, extra: int) -> QuantizedState:
+    """A 2-D ``q`` with ``extra`` zeros appended to every row (new parts, the same codes)."""
     width = q.row_len + extra
-    codes = torch.cat([f.unpack(q.codes, q.row_len),
-                       torch.full((rows, extra), f.zero_code(q.signed), dtype=torch.uint8, device=q.device)], 1)
-    blocks = -(-width // q.block_size)
-    scale = torch.cat([q.scale, torch.zeros((rows, blocks - q.scale.shape[1]), dtype=torch.float32,
-                                            device=q.device)], 1)
-    return q.with_parts(f.pack(codes), scale, shape=(rows, width), row_len=width)
+    return q.with_parts(*_widen_rows(q, q.row_len, width), shape=(q.rows, width), row_len=width)
 
 
 def _pad_at_ends(op: str, q: QuantizedState, pad: list, value: float, mode: Optional[str] = None) -> QuantizedState:
